@@ -1,0 +1,173 @@
+"""Config building blocks every service shares: listeners and the shared sections.
+
+The whole-deployment model and the TOML/env loader are in ``services.run_config``;
+each service's own section is in ``services/<svc>/config.py``. Pydantic only:
+importing this is fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+
+class StrictModel(BaseModel):
+    """Base of every config model: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+ServiceName = Literal["reconciler", "envs", "inference", "trainer", "evals"]
+SERVICE_NAMES: tuple[ServiceName, ...] = ("reconciler", "envs", "inference", "trainer", "evals")
+
+MIB = 1024 * 1024
+
+
+class GrpcServerConfig(StrictModel):
+    """The gRPC listener of one service."""
+
+    host: str = Field("0.0.0.0", description="Address to bind.")
+    port: int = Field(ge=1, le=65535, description="Port to bind.")
+    max_message_bytes: int = Field(
+        64 * MIB, ge=4 * MIB, le=2047 * MIB, description="Largest message sent or received."
+    )
+    shutdown_grace_s: float = Field(
+        10.0, ge=0, le=600, description="On SIGTERM, in-flight calls get this long to finish."
+    )
+    max_concurrent_rpcs: int | None = Field(
+        None, ge=1, description="Calls beyond this answer RESOURCE_EXHAUSTED; unset is no limit."
+    )
+    tls_cert_file: str | None = Field(None, description="PEM certificate; plaintext when unset.")
+    tls_key_file: str | None = Field(None, description="PEM private key for tls_cert_file.")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> GrpcServerConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(
+                "tls_cert_file and tls_key_file go together "
+                f"(got tls_cert_file={self.tls_cert_file!r}, tls_key_file={self.tls_key_file!r})"
+            )
+        return self
+
+
+class HttpServerConfig(StrictModel):
+    """The small HTTP side of a service: /metrics, /healthz, /readyz and a status page."""
+
+    host: str = Field("0.0.0.0", description="Address to bind.")
+    port: int = Field(ge=0, le=65535, description="Port to bind; 0 disables the HTTP side.")
+
+
+class ServiceConfig(StrictModel):
+    """What every service's section has: its listeners and how often it checks readiness."""
+
+    grpc: GrpcServerConfig = Field(description="gRPC listener.")
+    http: HttpServerConfig = Field(description="HTTP listener.")
+    readiness_interval_s: float = Field(
+        2.0, gt=0, le=60, description="How often readiness (and dependencies) are re-checked."
+    )
+    dependency_timeout_s: float = Field(
+        2.0, gt=0, le=60, description="Deadline of one dependency readiness check."
+    )
+
+
+class RunConfig(StrictModel):
+    """Identity and local state of a run."""
+
+    name: str = Field(
+        "local",
+        pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
+        description="Run name; prefixes Redis keys and object-store paths.",
+    )
+    state_dir: Path = Field(
+        Path(".etude"), description="Local state (logs, models, file:// store) for `etude run`."
+    )
+
+
+class AuthConfig(StrictModel):
+    """Bearer-token authentication shared by all services."""
+
+    token: SecretStr | None = Field(
+        None, description="Shared token; set it with ETUDE_AUTH__TOKEN rather than in a file."
+    )
+    required: bool = Field(True, description="Refuse to start without a token.")
+
+
+class TelemetryConfig(StrictModel):
+    """Logging and tracing."""
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Log level."
+    )
+    log_format: Literal["text", "json"] = Field("text", description="json for log collectors.")
+    traces_exporter: Literal["none", "otlp", "console", "jsonl"] = Field(
+        "none", description="Where spans go: OTLP/gRPC collector, stderr, or a JSON-lines file."
+    )
+    otlp_endpoint: str = Field(
+        "http://127.0.0.1:4317", description="OTLP collector for traces_exporter = 'otlp'."
+    )
+    traces_file: Path | None = Field(
+        None, description="File for traces_exporter = 'jsonl' (one span per line)."
+    )
+
+    @model_validator(mode="after")
+    def _file_for_jsonl(self) -> TelemetryConfig:
+        if self.traces_exporter == "jsonl" and self.traces_file is None:
+            raise ValueError("traces_exporter = 'jsonl' needs traces_file (got traces_file = None)")
+        return self
+
+
+class EndpointsConfig(StrictModel):
+    """Where each service is reached, as gRPC targets ("host:port")."""
+
+    reconciler: str = Field("127.0.0.1:50051", description="Reconciler gRPC target.")
+    envs: str = Field("127.0.0.1:50052", description="Envs gRPC target.")
+    inference: str = Field("127.0.0.1:50053", description="Inference gRPC target.")
+    trainer: str = Field("127.0.0.1:50054", description="Trainer gRPC target.")
+    evals: str = Field("127.0.0.1:50055", description="Evals gRPC target.")
+    tls_ca_file: Path | None = Field(
+        None, description="CA bundle for TLS to other services; plaintext when unset."
+    )
+
+    def target(self, service: ServiceName) -> str:
+        """The gRPC target of `service`."""
+        value: str = getattr(self, service)
+        return value
+
+
+class RedisConfig(StrictModel):
+    """Redis, the reconciler's source of truth."""
+
+    url: str = Field(
+        "redis://127.0.0.1:6379/0", pattern=r"^rediss?://", description="redis:// or rediss:// URL."
+    )
+
+
+class ObjectStoreConfig(StrictModel):
+    """The object store for weights, rollout records and reports."""
+
+    url: str = Field(
+        "file://.etude/store",
+        pattern=r"^(file|s3)://",
+        description="file://<dir> (embedded default) or s3://<bucket>[/<prefix>].",
+    )
+    endpoint_url: str | None = Field(None, description="S3 API endpoint (MinIO, moto, ...).")
+    region: str | None = Field(None, description="S3 region.")
+
+
+class LauncherConfig(StrictModel):
+    """`etude run`: how the local launcher brings a deployment up on one machine."""
+
+    model_preset: Literal["tiny", "small"] = Field(
+        "small", description="Preset `etude run` creates at inference.engine.model_dir if absent."
+    )
+    start_redis: bool = Field(
+        True, description="Start a private redis-server when none answers at redis.url."
+    )
+    ready_timeout_s: float = Field(
+        600.0, gt=0, description="Give up when the services are not all ready after this long."
+    )
+    stop_grace_s: float = Field(
+        20.0, gt=0, description="After SIGTERM, a process gets this long before SIGKILL."
+    )

@@ -1,0 +1,51 @@
+"""Settings of the inference service (vLLM engine and its listeners)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from services.config import (
+    GrpcServerConfig,
+    HttpServerConfig,
+    ServiceConfig,
+    StrictModel,
+)
+
+
+class EngineConfig(StrictModel):
+    """The vLLM engine of one replica."""
+
+    model_dir: Path = Field(
+        Path(".etude/models/small"), description="HF-layout model directory (etude model init)."
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Weights and activations dtype."
+    )
+    max_model_len: int = Field(2048, ge=16, le=1 << 20, description="Context length in tokens.")
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="Sequences scheduled at once.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per replica (CUDA only).")
+    enable_expert_parallel: bool = Field(False, description="Expert parallelism (CUDA only).")
+    enforce_eager: bool = Field(True, description="No graph capture/compilation (fast start).")
+    cpu_kv_cache_gib: float = Field(
+        1.0, gt=0, le=1024, description="KV cache size on the CPU backend, in GiB."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may use (CUDA only)."
+    )
+    seed: int = Field(0, ge=0, description="Engine seed (per-request seeds override it).")
+    start_timeout_s: float = Field(600.0, gt=0, description="Give up starting the engine after.")
+
+
+class InferenceConfig(ServiceConfig):
+    """One inference replica: a vLLM engine behind the Generate API."""
+
+    grpc: GrpcServerConfig = Field(
+        default_factory=lambda: GrpcServerConfig(port=50053), description="gRPC listener."
+    )
+    http: HttpServerConfig = Field(
+        default_factory=lambda: HttpServerConfig(port=9103), description="HTTP listener."
+    )
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine.")

@@ -1,0 +1,72 @@
+"""Start-up of a service process: arguments and config first, heavy imports after.
+
+``python -m services.<svc> --config FILE`` and ``etude serve <svc> --config FILE``
+both land here. The config is parsed and validated, logging is set up, the
+resolved config is logged as JSON, and only then is the service module (which
+may import torch or vLLM) imported and run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from services.config import SERVICE_NAMES, ServiceName
+from services.run_config import EtudeConfig, load_config
+
+log = logging.getLogger("etude")
+
+
+def parse_args(service: ServiceName, argv: list[str] | None) -> argparse.Namespace:
+    """The command line every service process takes."""
+    module = sys.modules.get(f"services.{service}.__main__")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m services.{service}",
+        description=(module.__doc__ if module and module.__doc__ else f"etude {service}").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", type=Path, default=None, help="TOML run config (default: built-in defaults)"
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as JSON and exit"
+    )
+    return parser.parse_args(argv)
+
+
+def run_service(service: ServiceName, config: EtudeConfig) -> int:
+    """Imports the service's module and runs it until it stops; returns the exit code."""
+    if service not in SERVICE_NAMES:
+        raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICE_NAMES)}")
+    from services.telemetry import configure_logging
+
+    configure_logging(config.telemetry, service)
+    log.info("resolved config: %s", config.redacted_json())
+    module = importlib.import_module(f"services.{service}.service")
+    try:
+        module.run(config)
+    except KeyboardInterrupt:
+        return 130
+    except Exception:
+        log.exception("%s exited with an error", service)
+        return 1
+    return 0
+
+
+def main(service: ServiceName, argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m services.<service>``."""
+    args = parse_args(service, argv)
+    try:
+        config = load_config(args.config)
+    except (ValidationError, ValueError, FileNotFoundError) as error:
+        print(f"invalid config: {error}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(config.model_dump_json(indent=2))
+        return 0
+    return run_service(service, config)

@@ -1,0 +1,140 @@
+"""Client channels to other services: auth, deadlines, retries, tracing.
+
+Every call gets the bearer token, a default deadline when the caller set none,
+W3C trace context (OpenTelemetry), and gRPC's retry policy for UNAVAILABLE.
+Mutating RPCs of the platform are idempotent (lease tokens, idempotency keys),
+which is what makes retrying them safe.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc import aio
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
+from opentelemetry.trace import TracerProvider
+
+from services.config import MIB, ServiceName
+from services.run_config import EtudeConfig
+
+RETRYABLE_CODES = ("UNAVAILABLE",)
+
+
+def retry_service_config(max_attempts: int = 4) -> str:
+    """gRPC service config: retry UNAVAILABLE with exponential backoff, for every method."""
+    return json.dumps(
+        {
+            "methodConfig": [
+                {
+                    "name": [{}],
+                    "retryPolicy": {
+                        "maxAttempts": max_attempts,
+                        "initialBackoff": "0.1s",
+                        "maxBackoff": "2s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": list(RETRYABLE_CODES),
+                    },
+                }
+            ]
+        }
+    )
+
+
+class _CallDefaults(
+    aio.UnaryUnaryClientInterceptor,
+    aio.UnaryStreamClientInterceptor,
+    aio.StreamUnaryClientInterceptor,
+    aio.StreamStreamClientInterceptor,
+):
+    """Adds the bearer token, and a deadline when the call has none."""
+
+    def __init__(self, token: str | None, default_timeout_s: float | None) -> None:
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._timeout = default_timeout_s
+
+    def _details(self, details: aio.ClientCallDetails) -> aio.ClientCallDetails:
+        metadata = aio.Metadata(*(details.metadata or ()), *self._metadata)
+        timeout = details.timeout if details.timeout is not None else self._timeout
+        return aio.ClientCallDetails(
+            details.method, timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+def make_channel(
+    target: str,
+    *,
+    token: str | None,
+    default_timeout_s: float | None = 30.0,
+    max_message_bytes: int = 64 * MIB,
+    tls_ca_file: Path | None = None,
+    tracer_provider: TracerProvider | None = None,
+    max_attempts: int = 4,
+) -> aio.Channel:
+    """An aio channel to `target` with auth, deadlines, retries and trace propagation.
+
+    `default_timeout_s` applies to calls made without a timeout; None leaves them
+    unbounded (streams that live as long as the process, such as watches).
+    """
+    options: Sequence[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", retry_service_config(max_attempts)),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+    ]
+    interceptors: list[aio.ClientInterceptor] = [
+        *aio_client_interceptors(tracer_provider=tracer_provider),
+        _CallDefaults(token, default_timeout_s),
+    ]
+    if tls_ca_file is not None:
+        credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca_file.read_bytes())
+        return aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
+    return aio.insecure_channel(target, options=options, interceptors=interceptors)
+
+
+class Channels:
+    """One lazily-created channel per service of the deployment, closed together."""
+
+    def __init__(self, config: EtudeConfig, tracer_provider: TracerProvider | None = None) -> None:
+        self._config = config
+        self._tracer_provider = tracer_provider
+        self._channels: dict[ServiceName, aio.Channel] = {}
+
+    def target(self, service: ServiceName) -> str:
+        """The address `service` is reached at."""
+        return self._config.endpoints.target(service)
+
+    def get(self, service: ServiceName) -> aio.Channel:
+        """The channel to `service`, created on first use."""
+        if service not in self._channels:
+            token = self._config.auth.token
+            self._channels[service] = make_channel(
+                self.target(service),
+                token=token.get_secret_value() if token else None,
+                tls_ca_file=self._config.endpoints.tls_ca_file,
+                tracer_provider=self._tracer_provider,
+            )
+        return self._channels[service]
+
+    async def close(self) -> None:
+        """Closes every channel opened so far."""
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()

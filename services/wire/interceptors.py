@@ -1,0 +1,224 @@
+"""Server interceptors: bearer-token auth, and errors + Prometheus metrics.
+
+Order on the server (outermost first): OpenTelemetry (a span for every call,
+also rejected ones), ``ObservedCalls`` (maps ServiceError to a status, counts and
+times every call), ``BearerTokenAuth`` (rejects callers without the token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc import aio
+from prometheus_client import Counter, Histogram
+
+from services.wire.errors import ServiceError
+
+log = logging.getLogger(__name__)
+
+# Names follow go-grpc-prometheus, which most gRPC dashboards already use.
+STARTED = Counter(
+    "grpc_server_started_total",
+    "RPCs started on the server.",
+    ["grpc_service", "grpc_method", "grpc_type"],
+)
+HANDLED = Counter(
+    "grpc_server_handled_total",
+    "RPCs completed on the server, by status code.",
+    ["grpc_service", "grpc_method", "grpc_type", "grpc_code"],
+)
+LATENCY = Histogram(
+    "grpc_server_handling_seconds",
+    "Time from the start of an RPC to its status, by method.",
+    ["grpc_service", "grpc_method", "grpc_type"],
+    buckets=(
+        0.0005,
+        0.001,
+        0.0025,
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1,
+        2.5,
+        5,
+        10,
+        30,
+        60,
+    ),
+)
+
+# Probes and schema discovery answer without a token (Kubernetes probes carry none).
+UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+Behavior = Callable[..., Any]
+
+# (request_streaming, response_streaming) -> handler factory
+_HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _split_method(full_method: str) -> tuple[str, str]:
+    service, _, method = full_method.lstrip("/").rpartition("/")
+    return service, method
+
+
+def _rpc_type(handler: grpc.RpcMethodHandler) -> str:
+    if handler.request_streaming and handler.response_streaming:
+        return "bidi_stream"
+    if handler.request_streaming:
+        return "client_stream"
+    if handler.response_streaming:
+        return "server_stream"
+    return "unary"
+
+
+def _replace_behavior(
+    handler: grpc.RpcMethodHandler, unary: Behavior, streaming: Behavior
+) -> grpc.RpcMethodHandler:
+    """The same handler type and (de)serializers with a new behavior."""
+    make = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
+    behavior = streaming if handler.response_streaming else unary
+    return make(
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _original_behavior(handler: grpc.RpcMethodHandler) -> Behavior:
+    behavior: Behavior | None = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
+    assert behavior is not None, "a method handler always has one behavior"
+    return behavior
+
+
+class BearerTokenAuth(aio.ServerInterceptor):
+    """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("the auth token must not be empty")
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(UNAUTHENTICATED_PREFIXES):
+            return handler
+        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        given_bytes = given.encode() if isinstance(given, str) else bytes(given)
+        if hmac.compare_digest(given_bytes, self._expected):
+            return handler
+        problem = "missing bearer token" if not given else "invalid bearer token"
+
+        async def deny_unary(request: Any, context: aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+
+        async def deny_streaming(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+            yield  # pragma: no cover - abort raises
+
+        return _replace_behavior(handler, deny_unary, deny_streaming)
+
+
+class ObservedCalls(aio.ServerInterceptor):
+    """Maps ServiceError to its status, logs unexpected errors, counts and times every call."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        service, method = _split_method(handler_call_details.method)
+        rpc_type = _rpc_type(handler)
+        labels = (service, method, rpc_type)
+        behavior = _original_behavior(handler)
+
+        async def fail(context: aio.ServicerContext, error: Exception) -> None:
+            if isinstance(error, ServiceError):
+                await context.abort(error.code, str(error))
+            log.exception("unexpected error in %s", handler_call_details.method, exc_info=error)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}")
+
+        def finish(started: float, code: grpc.StatusCode) -> None:
+            LATENCY.labels(*labels).observe(time.perf_counter() - started)
+            HANDLED.labels(*labels, code.name).inc()
+
+        def code_of(context: aio.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:
+            code = context.code()
+            if isinstance(code, grpc.StatusCode):
+                return code
+            return default
+
+        async def unary(request: Any, context: aio.ServicerContext) -> Any:
+            STARTED.labels(*labels).inc()
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                result = behavior(request, context)
+                if inspect.isawaitable(result):
+                    result = await result
+                code = code_of(context, grpc.StatusCode.OK)
+                return result
+            except aio.AbortError:
+                code = code_of(context, grpc.StatusCode.UNKNOWN)
+                raise
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as error:
+                code = getattr(error, "code", grpc.StatusCode.INTERNAL)
+                await fail(context, error)
+            finally:
+                finish(started, code)
+
+        async def streaming(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+            STARTED.labels(*labels).inc()
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                result = behavior(request, context)
+                if hasattr(result, "__aiter__"):
+                    async for item in result:
+                        yield item
+                elif inspect.isawaitable(result):  # a coroutine that uses context.write
+                    await result
+                else:
+                    for item in result:
+                        yield item
+                code = code_of(context, grpc.StatusCode.OK)
+            except aio.AbortError:
+                code = code_of(context, grpc.StatusCode.UNKNOWN)
+                raise
+            except (GeneratorExit, asyncio.CancelledError):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as error:
+                code = getattr(error, "code", grpc.StatusCode.INTERNAL)
+                await fail(context, error)
+            finally:
+                finish(started, code)
+
+        return _replace_behavior(handler, unary, streaming)
