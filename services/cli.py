@@ -1,0 +1,135 @@
+"""The `etude` command. Imports stay inside the commands: `etude --help` is instant."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, cast
+
+import typer
+
+if TYPE_CHECKING:
+    from services.config import ServiceName
+    from services.model_factory.presets import PresetName
+    from services.run_config import EtudeConfig
+
+app = typer.Typer(
+    help="Etude: asynchronous RL for MoE coding agents.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
+config_app = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+app.add_typer(config_app, name="config")
+
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", "-c", help="TOML run config (configs/*.toml).")
+]
+
+
+def _load(config: Path | None) -> EtudeConfig:
+    from pydantic import ValidationError
+
+    from services.run_config import load_config
+
+    try:
+        return load_config(config)
+    except (ValidationError, ValueError, FileNotFoundError) as error:
+        typer.echo(f"invalid config: {error}", err=True)
+        raise typer.Exit(2) from error
+
+
+@app.command()
+def serve(
+    service: Annotated[str, typer.Argument(help="reconciler | envs | inference | trainer | evals")],
+    config: ConfigOption = None,
+) -> None:
+    """Run one service in this process (what each container runs)."""
+    from services.config import SERVICE_NAMES
+    from services.process import run_service
+
+    if service not in SERVICE_NAMES:
+        typer.echo(f"unknown service {service!r}; known: {', '.join(SERVICE_NAMES)}", err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(run_service(cast("ServiceName", service), _load(config)))
+
+
+@app.command()
+def run(
+    config: ConfigOption = Path("configs/local.toml"),
+    exit_when_ready: Annotated[
+        bool, typer.Option(help="Stop everything once all services are ready (a smoke check).")
+    ] = False,
+) -> None:
+    """Start Redis, the object store and the five services locally; Ctrl-C stops them."""
+    from services.launcher.run import run_local
+
+    raise typer.Exit(run_local(_load(config), config, exit_when_ready=exit_when_ready))
+
+
+@model_app.command("init")
+def model_init(
+    preset: Annotated[str, typer.Option(help="tiny (tests, < 2M) | small (demo, 10-30M)")],
+    out: Annotated[Path, typer.Option(help="Directory to write the model to.")],
+    seed: Annotated[int, typer.Option(help="Seed of the corpus and the weights.")] = 0,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing directory.")] = False,
+) -> None:
+    """Write a Qwen3-MoE checkpoint and a BPE tokenizer trained on a generated code corpus."""
+    from services.model_factory.build import init_model
+    from services.model_factory.presets import PRESETS
+
+    if preset not in PRESETS:
+        typer.echo(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}", err=True)
+        raise typer.Exit(2)
+    try:
+        card = init_model(
+            cast("PresetName", preset), out, seed=seed, overwrite=overwrite, progress=typer.echo
+        )
+    except FileExistsError as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(1) from error
+    parameters = card["parameters"]
+    typer.echo(f"{preset}: {parameters['total']:,} parameters ({parameters['active']:,} active)")
+
+
+@config_app.command("show")
+def config_show(config: ConfigOption = None) -> None:
+    """Print the resolved config (file + ETUDE_* environment) as JSON."""
+    typer.echo(_load(config).model_dump_json(indent=2))
+
+
+@app.command()
+def bench(
+    name: Annotated[str, typer.Argument(help="A benchmark name, or 'all'.")],
+    quick: Annotated[bool, typer.Option(help="Fewer repetitions (for smoke checks).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per benchmark.")] = False,
+) -> None:
+    """Measure figures against a same-run baseline (see services/bench)."""
+    from services.bench import BENCHMARKS, load
+
+    names = sorted(BENCHMARKS) if name == "all" else [name]
+    all_ok = True
+    for bench_name in names:
+        try:
+            run_bench = load(bench_name)
+        except KeyError as error:
+            typer.echo(str(error.args[0]), err=True)
+            raise typer.Exit(2) from error
+        result = run_bench(quick).to_json(bench_name)
+        all_ok &= bool(result["ok"])
+        if as_json:
+            typer.echo(json.dumps(result))
+        else:
+            typer.echo(json.dumps(result, indent=2))
+    raise typer.Exit(0 if all_ok else 1)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name="etude")
+
+
+if __name__ == "__main__":
+    main()
