@@ -1,0 +1,158 @@
+"""Shared fixtures: a tiny model, free ports, and a whole deployment of real processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.config import SERVICE_NAMES
+from services.wire.ports import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+TOKEN = "test-token-0123456789"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `tiny` preset model made by the factory, shared by the session."""
+    from services.model_factory.build import init_model
+
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    init_model("tiny", out, seed=0)
+    return out
+
+
+def write_config(path: Path, *, model_dir: Path, state_dir: Path) -> dict[str, tuple[int, int]]:
+    """A run config on free ports; returns {service: (grpc_port, http_port)}."""
+    ports = {name: (free_port(), free_port()) for name in SERVICE_NAMES}
+    lines = [
+        "[run]",
+        'name = "test"',
+        f'state_dir = "{state_dir}"',
+        "[object_store]",
+        f'url = "file://{state_dir}/store"',
+        "[endpoints]",
+        *[f'{name} = "127.0.0.1:{grpc_port}"' for name, (grpc_port, _) in ports.items()],
+    ]
+    for name, (grpc_port, http_port) in ports.items():
+        lines += [
+            f"[{name}]",
+            "readiness_interval_s = 0.5",
+            f'grpc = {{ host = "127.0.0.1", port = {grpc_port}, shutdown_grace_s = 5 }}',
+            f'http = {{ host = "127.0.0.1", port = {http_port} }}',
+        ]
+    lines += [
+        "[inference.engine]",
+        f'model_dir = "{model_dir}"',
+        "max_model_len = 512",
+        "max_num_seqs = 8",
+        "cpu_kv_cache_gib = 0.25",
+        "[launcher]",
+        'model_preset = "tiny"',
+        "ready_timeout_s = 300",
+        "stop_grace_s = 15",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return ports
+
+
+@dataclass
+class Deployment:
+    """The five services running as real processes from one config."""
+
+    config_path: Path
+    ports: dict[str, tuple[int, int]]
+    traces_dir: Path
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
+
+    def target(self, service: str) -> str:
+        return f"127.0.0.1:{self.ports[service][0]}"
+
+    def http(self, service: str) -> str:
+        return f"http://127.0.0.1:{self.ports[service][1]}"
+
+    def log_text(self, service: str) -> str:
+        return self.logs[service].read_text(errors="replace")
+
+
+def service_env(token: str, traces_file: Path | None = None) -> dict[str, str]:
+    env = {**os.environ, "ETUDE_AUTH__TOKEN": token, "PYTHONUNBUFFERED": "1"}
+    if traces_file is not None:
+        env["ETUDE_TELEMETRY__TRACES_EXPORTER"] = "jsonl"
+        env["ETUDE_TELEMETRY__TRACES_FILE"] = str(traces_file)
+    return env
+
+
+def wait_ready(target: str, timeout_s: float, process: subprocess.Popen[bytes], log: Path) -> None:
+    """Polls gRPC health "readiness" until SERVING."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if process.poll() is not None:
+                raise AssertionError(f"{target} exited {process.returncode}:\n{log.read_text()}")
+            try:
+                answer = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{target} not ready after {timeout_s} s:\n{log.read_text()}")
+            time.sleep(0.2)
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 30) -> int:
+    """SIGTERM by PID, then SIGKILL of its group if it lingers; returns the exit code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    return process.wait()
+
+
+@pytest.fixture(scope="session")
+def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """All five services as real processes (tiny model, free ports, JSON-lines traces)."""
+    root = tmp_path_factory.mktemp("deployment")
+    config_path = root / "config.toml"
+    traces_dir = root / "traces"
+    ports = write_config(config_path, model_dir=tiny_model, state_dir=root / "state")
+    deployment = Deployment(config_path=config_path, ports=ports, traces_dir=traces_dir)
+    for name in SERVICE_NAMES:
+        log = root / f"{name}.log"
+        deployment.logs[name] = log
+        with log.open("wb") as log_file:
+            deployment.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", f"services.{name}", "--config", str(config_path)],
+                cwd=REPO,
+                env=service_env(TOKEN, traces_dir / f"{name}.jsonl"),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+    try:
+        for name in SERVICE_NAMES:
+            wait_ready(
+                deployment.target(name), 240, deployment.processes[name], deployment.logs[name]
+            )
+        yield deployment
+    finally:
+        for process in deployment.processes.values():
+            stop_process(process)

@@ -1,0 +1,104 @@
+"""The `etude` command: fast help, clear errors, the benchmarks contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+HEAVY = ("torch", "vllm", "transformers", "grpc", "opentelemetry", "fastapi")
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_imports_nothing_heavy() -> None:
+    code = (
+        "import sys\n"
+        "sys.argv = ['etude', '--help']\n"
+        "from services.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "serve" in done.stdout and "run" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("service", ["reconciler", "envs", "inference", "trainer", "evals"])
+def test_service_help_imports_nothing_heavy(service: str) -> None:
+    code = (
+        "import sys, runpy\n"
+        f"sys.argv = ['x', '--help']\n"
+        "try:\n"
+        f"    runpy.run_module('services.{service}', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--config" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_unknown_service_and_preset_are_refused() -> None:
+    done = _run("serve", "nosuch")
+    assert done.returncode == 2 and "unknown service 'nosuch'" in done.stderr
+    done = _run("model", "init", "--preset", "huge", "--out", "/tmp/never")
+    assert done.returncode == 2 and "unknown preset 'huge'" in done.stderr
+
+
+def test_invalid_config_is_refused_with_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[inference.engine]\nmax_model_len = -1\n")
+    done = _run("config", "show", "--config", str(bad))
+    assert done.returncode == 2 and "max_model_len" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "services.trainer", "--config", str(bad)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "max_model_len" in done.stderr
+
+
+def test_model_init_command(tmp_path: Path) -> None:
+    done = _run("model", "init", "--preset", "tiny", "--out", str(tmp_path / "m"))
+    assert done.returncode == 0, done.stderr
+    assert "tiny:" in done.stdout and (tmp_path / "m" / "model.safetensors").is_file()
+    again = _run("model", "init", "--preset", "tiny", "--out", str(tmp_path / "m"))
+    assert again.returncode == 1 and "exists" in again.stderr
+
+
+def test_bench_contract() -> None:
+    done = _run("bench", "grpc", "--quick", "--json")
+    assert done.returncode in (0, 1), done.stderr  # 1 only when the target is missed
+    result = json.loads(done.stdout)
+    assert result["bench"] == "grpc"
+    assert set(result) >= {"bench", "figures", "baseline", "ok", "target"}
+    assert result["ok"] == (done.returncode == 0)
+    figures, baseline = result["figures"], result["baseline"]
+    assert figures["calls_per_s"] > 0 and baseline["calls_per_s"] > 0
+    ratio = baseline["calls_per_s"] / figures["calls_per_s"]
+    assert figures["overhead_ratio"] == pytest.approx(ratio)
+    assert result["ok"] == (ratio <= 2.0)
+    unknown = _run("bench", "nosuch", "--json")
+    assert unknown.returncode == 2 and "unknown benchmark" in unknown.stderr

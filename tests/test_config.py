@@ -1,0 +1,81 @@
+"""Run configs: every shipped file loads, overrides apply, bad values name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from services.run_config import apply_env_overrides, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml"))
+
+
+def test_configs_exist() -> None:
+    assert {p.name for p in CONFIGS} >= {"local.toml", "cluster.toml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    config = load_config(path, environ={})
+    assert config.run.name
+    ports = [
+        getattr(config, s).grpc.port
+        for s in ("reconciler", "envs", "inference", "trainer", "evals")
+    ]
+    assert len(set(ports)) == 5 or path.name != "local.toml"
+
+
+def test_environment_overrides_any_field(tmp_path: Path) -> None:
+    config = load_config(
+        Path(CONFIGS[0].parent / "local.toml"),
+        environ={
+            "ETUDE_AUTH__TOKEN": "s3cret",
+            "ETUDE_INFERENCE__GRPC__PORT": "6000",
+            "ETUDE_INFERENCE__ENGINE__MAX_MODEL_LEN": "1024",
+            "ETUDE_REDIS__URL": "redis://example:6380/1",
+            "UNRELATED": "x",
+        },
+    )
+    assert config.auth.token is not None and config.auth.token.get_secret_value() == "s3cret"
+    assert config.inference.grpc.port == 6000
+    assert config.inference.engine.max_model_len == 1024
+    assert config.redis.url == "redis://example:6380/1"
+    assert "s3cret" not in config.redacted_json()
+
+
+def test_override_into_a_scalar_is_an_error() -> None:
+    with pytest.raises(ValueError, match="ETUDE_REDIS__URL__X"):
+        apply_env_overrides({"redis": {"url": "redis://x"}}, {"ETUDE_REDIS__URL__X": "1"})
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("[inference.engine]\nmax_model_len = 'long'\n", "max_model_len"),
+        ("[reconciler]\ngrpc = { port = 70000 }\n", "port"),
+        ("[reconciler]\nunknown_key = 1\n", "unknown_key"),
+        ("[redis]\nurl = 'http://not-redis'\n", "url"),
+        ("[telemetry]\ntraces_exporter = 'jsonl'\n", "traces_file"),
+        ("[run]\nname = 'Has Spaces'\n", "name"),
+    ],
+)
+def test_bad_values_name_the_field(tmp_path: Path, text: str, field: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValidationError) as error:
+        load_config(path, environ={})
+    assert field in str(error.value)
+
+
+def test_tls_needs_both_files(tmp_path: Path) -> None:
+    path = tmp_path / "tls.toml"
+    path.write_text("[trainer]\ngrpc = { port = 1, tls_cert_file = 'c.pem' }\n")
+    with pytest.raises(ValidationError, match=r"tls_cert_file and tls_key_file"):
+        load_config(path, environ={})
+
+
+def test_missing_file_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"nope\.toml"):
+        load_config(tmp_path / "nope.toml", environ={})

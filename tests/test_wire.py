@@ -1,0 +1,206 @@
+"""The shared server plumbing, in process: auth, error mapping, metrics, deadlines,
+trace propagation across two real aio servers (in-memory span exporter)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc import aio
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import REGISTRY
+
+from services.api.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.run_config import load_config
+from services.trainer.service import TrainerService
+from services.wire.client import make_channel
+from services.wire.errors import InvalidArgument, NotFound
+from services.wire.ports import free_port
+from services.wire.server import build_server, make_service
+from services.wire.service import Service
+
+TOKEN = "in-process-token"
+
+
+class _Faulty(trainer_pb2_grpc.TrainerServiceServicer):
+    """Each method fails in a different way, to check the mapping."""
+
+    async def GetStatus(
+        self, request: common_pb2.StatusRequest, context: aio.ServicerContext
+    ) -> None:
+        raise NotFound("no such run 'x'")
+
+    async def SaveCheckpoint(
+        self, request: trainer_pb2.SaveCheckpointRequest, context: aio.ServicerContext
+    ) -> None:
+        raise InvalidArgument("tag", "is wrong")
+
+    async def ListCheckpoints(
+        self, request: trainer_pb2.ListCheckpointsRequest, context: aio.ServicerContext
+    ) -> None:
+        raise ZeroDivisionError("a bug")
+
+
+class _FaultyService(Service):
+    name = "trainer"
+
+    def register(self, server: aio.Server) -> list[str]:
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server(_Faulty(), server)
+        return ["etude.v1.TrainerService"]
+
+
+def _config(port: int, **extra: str):  # type: ignore[no-untyped-def]
+    return load_config(
+        None,
+        {
+            "ETUDE_AUTH__TOKEN": TOKEN,
+            "ETUDE_TRAINER__GRPC__HOST": "127.0.0.1",
+            "ETUDE_TRAINER__GRPC__PORT": str(port),
+            "ETUDE_TRAINER__HTTP__PORT": "0",
+            **extra,
+        },
+    )
+
+
+@pytest.fixture
+async def faulty() -> AsyncIterator[str]:
+    port = free_port()
+    server, _, _ = build_server(make_service(_FaultyService, _config(port)), None)
+    await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.stop(0)
+
+
+def _counter(method: str, code: str) -> float:
+    value = REGISTRY.get_sample_value(
+        "grpc_server_handled_total",
+        {
+            "grpc_service": "etude.v1.TrainerService",
+            "grpc_method": method,
+            "grpc_type": "unary",
+            "grpc_code": code,
+        },
+    )
+    return value or 0.0
+
+
+async def test_service_errors_map_to_status_codes(faulty: str) -> None:
+    before = _counter("SaveCheckpoint", "INVALID_ARGUMENT"), _counter("ListCheckpoints", "INTERNAL")
+    async with make_channel(faulty, token=TOKEN) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        with pytest.raises(aio.AioRpcError) as not_found:
+            await stub.GetStatus(common_pb2.StatusRequest())
+        with pytest.raises(aio.AioRpcError) as invalid:
+            await stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(tag="x"))
+        with pytest.raises(aio.AioRpcError) as internal:
+            await stub.ListCheckpoints(trainer_pb2.ListCheckpointsRequest())
+    assert (not_found.value.code(), not_found.value.details()) == (
+        grpc.StatusCode.NOT_FOUND,
+        "no such run 'x'",
+    )
+    assert (invalid.value.code(), invalid.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "tag: is wrong",
+    )
+    assert internal.value.code() == grpc.StatusCode.INTERNAL
+    assert "a bug" not in internal.value.details()  # internals stay in the server log
+    after = _counter("SaveCheckpoint", "INVALID_ARGUMENT"), _counter("ListCheckpoints", "INTERNAL")
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+
+
+async def test_auth_rejects_before_the_servicer_runs(faulty: str) -> None:
+    before = _counter("SaveCheckpoint", "UNAUTHENTICATED")
+    async with make_channel(faulty, token="wrong") as channel:
+        with pytest.raises(aio.AioRpcError) as denied:
+            await trainer_pb2_grpc.TrainerServiceStub(channel).SaveCheckpoint(
+                trainer_pb2.SaveCheckpointRequest(tag="x")
+            )
+    assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert denied.value.details() == "invalid bearer token"
+    assert _counter("SaveCheckpoint", "UNAUTHENTICATED") - before == 1
+
+
+async def test_server_refuses_to_start_without_a_token() -> None:
+    config = load_config(None, {"ETUDE_TRAINER__GRPC__PORT": str(free_port())})
+    with pytest.raises(ValueError, match="ETUDE_AUTH__TOKEN"):
+        build_server(make_service(TrainerService, config), None)
+
+
+async def test_default_deadline_applies_to_calls_without_one() -> None:
+    """A server that never answers: the client's default deadline ends the call."""
+    port = free_port()
+    server = aio.server()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+
+    class _Slow(trainer_pb2_grpc.TrainerServiceServicer):
+        async def GetStatus(
+            self, request: common_pb2.StatusRequest, context: aio.ServicerContext
+        ) -> None:
+            import asyncio
+
+            await asyncio.sleep(30)
+
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(_Slow(), server)
+    await server.start()
+    try:
+        async with make_channel(f"127.0.0.1:{port}", token=None, default_timeout_s=0.3) as channel:
+            with pytest.raises(aio.AioRpcError) as late:
+                await trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(
+                    common_pb2.StatusRequest()
+                )
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        await server.stop(0)
+
+
+async def test_trace_propagates_between_two_in_process_servers() -> None:
+    """evals-like caller -> trainer GetStatus(include_dependencies) -> reconciler health."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    upstream_port, downstream_port = free_port(), free_port()
+    # The downstream: a real TrainerService server standing in as "reconciler" for the upstream.
+    downstream_config = _config(downstream_port)
+    downstream = make_service(TrainerService, downstream_config, provider)
+    downstream_server, downstream_health, _ = build_server(downstream, provider)
+    upstream_config = _config(
+        upstream_port, ETUDE_ENDPOINTS__RECONCILER=f"127.0.0.1:{downstream_port}"
+    )
+    upstream = make_service(TrainerService, upstream_config, provider)
+    upstream_server, _, _ = build_server(upstream, provider)
+    await downstream_server.start()
+    await upstream_server.start()
+    await downstream_health.set("readiness", 1)  # SERVING
+    try:
+        tracer = provider.get_tracer("test")
+        with tracer.start_as_current_span("root") as root:
+            async with make_channel(
+                f"127.0.0.1:{upstream_port}", token=TOKEN, tracer_provider=provider
+            ) as ch:
+                status = await trainer_pb2_grpc.TrainerServiceStub(ch).GetStatus(
+                    common_pb2.StatusRequest(include_dependencies=True)
+                )
+    finally:
+        await upstream_server.stop(0)
+        await downstream_server.stop(0)
+        await upstream.channels.close()
+    assert [(d.name, d.ready) for d in status.info.dependencies] == [("reconciler", True)]
+    spans = [
+        s
+        for s in exporter.get_finished_spans()
+        if s.context.trace_id == root.get_span_context().trace_id
+    ]
+    by_id = {s.context.span_id: s for s in spans}
+    health_server = next(
+        s for s in spans if s.name.endswith("Health/Check") and s.kind.name == "SERVER"
+    )
+    chain = []
+    span = health_server
+    while span is not None:
+        chain.append((span.name, span.kind.name))
+        span = by_id.get(span.parent.span_id) if span.parent else None
+    assert [kind for _, kind in chain] == ["SERVER", "CLIENT", "SERVER", "CLIENT", "INTERNAL"]
+    assert chain[-1][0] == "root"
