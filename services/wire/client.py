@@ -44,12 +44,7 @@ def retry_service_config(max_attempts: int = 4) -> str:
     )
 
 
-class _CallDefaults(
-    aio.UnaryUnaryClientInterceptor,
-    aio.UnaryStreamClientInterceptor,
-    aio.StreamUnaryClientInterceptor,
-    aio.StreamStreamClientInterceptor,
-):
+class _CallDefaults:
     """Adds the bearer token, and a deadline when the call has none."""
 
     def __init__(self, token: str | None, default_timeout_s: float | None) -> None:
@@ -63,15 +58,25 @@ class _CallDefaults(
             details.method, timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+# grpc.aio files each interceptor under the first call type it implements, so every
+# call type needs an object of its own.
+class _UnaryUnaryDefaults(_CallDefaults, aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _UnaryStreamDefaults(_CallDefaults, aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _StreamUnaryDefaults(_CallDefaults, aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 
+
+class _StreamStreamDefaults(_CallDefaults, aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 
@@ -101,7 +106,15 @@ def make_channel(
     ]
     interceptors: list[aio.ClientInterceptor] = [
         *aio_client_interceptors(tracer_provider=tracer_provider),
-        _CallDefaults(token, default_timeout_s),
+        *(
+            defaults(token, default_timeout_s)
+            for defaults in (
+                _UnaryUnaryDefaults,
+                _UnaryStreamDefaults,
+                _StreamUnaryDefaults,
+                _StreamStreamDefaults,
+            )
+        ),
     ]
     if tls_ca_file is not None:
         credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca_file.read_bytes())
