@@ -141,7 +141,14 @@ class BearerTokenAuth(aio.ServerInterceptor):
 
 
 class ObservedCalls(aio.ServerInterceptor):
-    """Maps ServiceError to its status, logs unexpected errors, counts and times every call."""
+    """Maps ServiceError to its status, logs unexpected errors, counts and times every call.
+
+    `classify` lets a service name faults it expects (a dependency down) as a
+    ServiceError; anything left unclassified is a bug and answers INTERNAL.
+    """
+
+    def __init__(self, classify: Callable[[Exception], ServiceError | None] | None = None) -> None:
+        self._classify = classify or (lambda error: None)
 
     async def intercept_service(
         self,
@@ -159,12 +166,20 @@ class ObservedCalls(aio.ServerInterceptor):
         async def fail(context: aio.ServicerContext, error: Exception) -> None:
             if isinstance(error, ServiceError):
                 await context.abort(error.code, str(error))
+            if (known := self._classify(error)) is not None:
+                await context.abort(known.code, str(known))
             log.exception("unexpected error in %s", handler_call_details.method, exc_info=error)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}")
 
         def finish(started: float, code: grpc.StatusCode) -> None:
             LATENCY.labels(*labels).observe(time.perf_counter() - started)
             HANDLED.labels(*labels, code.name).inc()
+
+        def status_of(error: Exception) -> grpc.StatusCode:
+            if isinstance(error, ServiceError):
+                return error.code
+            known = self._classify(error)
+            return known.code if known is not None else grpc.StatusCode.INTERNAL
 
         def code_of(context: aio.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:
             code = context.code()
@@ -189,7 +204,7 @@ class ObservedCalls(aio.ServerInterceptor):
                 code = grpc.StatusCode.CANCELLED
                 raise
             except Exception as error:
-                code = getattr(error, "code", grpc.StatusCode.INTERNAL)
+                code = status_of(error)
                 await fail(context, error)
             finally:
                 finish(started, code)
@@ -216,7 +231,7 @@ class ObservedCalls(aio.ServerInterceptor):
                 code = grpc.StatusCode.CANCELLED
                 raise
             except Exception as error:
-                code = getattr(error, "code", grpc.StatusCode.INTERNAL)
+                code = status_of(error)
                 await fail(context, error)
             finally:
                 finish(started, code)

@@ -50,7 +50,7 @@ def build_server(
     token = service.config.auth.token
     interceptors: list[aio.ServerInterceptor] = [
         aio_server_interceptor(tracer_provider=tracer_provider, filter_=_traced),
-        ObservedCalls(),
+        ObservedCalls(service.classify_error),
     ]
     if token is not None:
         interceptors.append(BearerTokenAuth(token.get_secret_value()))

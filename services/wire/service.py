@@ -26,6 +26,7 @@ from services.api.v1 import common_pb2
 from services.config import ServiceConfig, ServiceName
 from services.run_config import EtudeConfig
 from services.wire.client import Channels
+from services.wire.errors import ServiceError
 
 READINESS = "readiness"
 LIVENESS = "liveness"
@@ -82,6 +83,10 @@ class Service(abc.ABC):
     def status_fields(self) -> dict[str, str]:
         """Key figures shown on the HTTP status page."""
         return {}
+
+    def classify_error(self, error: Exception) -> ServiceError | None:
+        """An expected fault (a dependency down) as the status to answer; None for bugs."""
+        return None
 
     async def probe_dependency(self, dependency: ServiceName) -> common_pb2.DependencyStatus:
         """Asks `dependency`'s health service whether it is ready."""
