@@ -190,15 +190,14 @@ def test_malformed_request_names_the_field(deployment: Deployment, service: str)
 
 def test_unbuilt_methods_say_so(deployment: Deployment) -> None:
     """A valid request to a method this release does not do answers UNIMPLEMENTED, no fake data."""
-    with grpc.insecure_channel(deployment.target("reconciler")) as channel:
-        stub = reconciler_pb2_grpc.ReconcilerServiceStub(channel)
-        request = reconciler_pb2.SubmitGroupsRequest(
-            groups=[reconciler_pb2.GroupSpec(task=_valid_task(), num_samples=4, kind=1)]
-        )
+    with grpc.insecure_channel(deployment.target("trainer")) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
         with pytest.raises(grpc.RpcError) as answer:
-            stub.SubmitGroups(request, metadata=AUTH, timeout=10)
+            stub.SaveCheckpoint(
+                trainer_pb2.SaveCheckpointRequest(tag="step-1"), metadata=AUTH, timeout=10
+            )
     assert answer.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "SubmitGroups" in answer.value.details()
+    assert "SaveCheckpoint" in answer.value.details()
 
 
 def _spans(path: Path) -> list[dict[str, Any]]:

@@ -74,8 +74,13 @@ def test_complete_slot_needs_a_record_with_a_checksum() -> None:
     request = reconciler_pb2.CompleteSlotRequest(
         slot_id="s-1",
         lease_token="tok",
-        rollout=common_pb2.RolloutSummary(record=common_pb2.ObjectRef(key="k", sha256="abc")),
+        rollout=common_pb2.RolloutSummary(
+            rollout_id="r-1", record=common_pb2.ObjectRef(key="k", sha256="abc")
+        ),
     )
+    with pytest.raises(InvalidArgument, match=r"^slot_id: "):
+        reconciler_validation.validate_complete_slot(request)
+    request.slot_id = "0123456789abcdef/3"
     with pytest.raises(InvalidArgument) as error:
         reconciler_validation.validate_complete_slot(request)
     assert error.value.field == "rollout.record.sha256"
@@ -83,6 +88,10 @@ def test_complete_slot_needs_a_record_with_a_checksum() -> None:
     reconciler_validation.validate_complete_slot(request)
     request.lease_token = ""
     with pytest.raises(InvalidArgument, match=r"^lease_token: "):
+        reconciler_validation.validate_complete_slot(request)
+    request.lease_token = "tok"
+    request.rollout.rollout_id = ""
+    with pytest.raises(InvalidArgument, match=r"^rollout\.rollout_id: "):
         reconciler_validation.validate_complete_slot(request)
 
 

@@ -1,10 +1,28 @@
-"""Settings of the reconciler service."""
+"""Settings of the reconciler service: leases, retries, staleness, priorities, backpressure."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+from typing import Literal
 
-from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig
+from pydantic import Field, model_validator
+
+from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig, StrictModel
+
+
+class FeederConfig(StrictModel):
+    """A task source that keeps a number of groups in flight (single epoch by default)."""
+
+    kind: Literal["jsonl"] = Field("jsonl", description="Source type: a JSON-lines file of Tasks.")
+    path: Path = Field(description="File of Task messages in protobuf JSON, one per line.")
+    name: str = Field(
+        "default", pattern=r"^[a-z0-9-]{1,40}$", description="Names the cursor kept in Redis."
+    )
+    num_samples: int = Field(4, ge=1, le=1024, description="K: samples per task (group size).")
+    target_in_flight: int = Field(
+        16, ge=1, description="Keep this many groups submitted but not yet consumed."
+    )
+    interval_s: float = Field(1.0, gt=0, description="How often the feeder tops up.")
 
 
 class ReconcilerConfig(ServiceConfig):
@@ -16,3 +34,61 @@ class ReconcilerConfig(ServiceConfig):
     http: HttpServerConfig = Field(
         default_factory=lambda: HttpServerConfig(port=9101), description="HTTP listener."
     )
+    lease_ttl_s: float = Field(
+        30.0, ge=0.1, le=3600, description="Lease length when a worker does not ask for one."
+    )
+    max_lease_ttl_s: float = Field(600.0, ge=0.1, description="Longest lease a worker may ask for.")
+    max_attempts: int = Field(
+        3, ge=1, le=100, description="Attempts (failures or lost leases) before a slot is dead."
+    )
+    reap_interval_s: float = Field(1.0, gt=0, le=60, description="How often expired leases return.")
+    min_complete_samples: int = Field(
+        0,
+        ge=0,
+        description=(
+            "A group is ready with this many complete slots once the rest are dead; "
+            "0 means all K must complete."
+        ),
+    )
+    max_staleness: int = Field(
+        2, ge=0, description="Policy versions a group may lag the trainer; 0 is synchronous."
+    )
+    stale_policy: Literal["requeue", "downweight", "drop"] = Field(
+        "requeue",
+        description="Too-stale groups are re-run, trained with a smaller weight, or dropped.",
+    )
+    stale_decay: float = Field(
+        0.5, gt=0, le=1, description="downweight: weight = decay ** (staleness - max_staleness)."
+    )
+    staleness_anchor: Literal["start", "submit"] = Field(
+        "start",
+        description=(
+            "Count staleness from the group's first lease ('start', so long rollouts are not "
+            "starved) or from its submission."
+        ),
+    )
+    priority_mode: Literal["strict", "weighted"] = Field(
+        "strict", description="Eval slots always first, or a weighted share (eval_share)."
+    )
+    eval_share: float = Field(
+        0.5, ge=0, le=1, description="weighted: probability a claim looks at eval slots first."
+    )
+    max_leased_per_version: int = Field(
+        0, ge=0, description="Cap on slots leased under one policy version; 0 is no cap."
+    )
+    max_ready_groups: int = Field(
+        0, ge=0, description="Stop leasing training slots while this many groups await the trainer."
+    )
+    committed_retention_s: float = Field(
+        86_400.0, ge=0, description="Keep trained groups this long in Redis; 0 keeps them."
+    )
+    feeder: FeederConfig | None = Field(None, description="Task source run by the reconciler.")
+
+    @model_validator(mode="after")
+    def _lease_bounds(self) -> ReconcilerConfig:
+        if self.max_lease_ttl_s < self.lease_ttl_s:
+            raise ValueError(
+                f"max_lease_ttl_s ({self.max_lease_ttl_s}) must be >= lease_ttl_s "
+                f"({self.lease_ttl_s})"
+            )
+        return self

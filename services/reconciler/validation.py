@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 from services.api.v1 import common_pb2, reconciler_pb2
 from services.messages import validate_object_ref, validate_task
 from services.wire.errors import require, require_identifier, require_range
 
 MAX_GROUP_SIZE = 1024
+_GROUP_ID = re.compile(r"^[0-9a-f]{16}$")
+_SLOT_ID = re.compile(r"^[0-9a-f]{16}/[0-9]{1,4}$")
 MAX_GROUPS_PER_CALL = 10_000
 MAX_SLOTS_PER_CLAIM = 256
+# Pending slots are ordered by -priority * 1e12 + sequence; this keeps scores exact doubles.
+MAX_PRIORITY = 1000
 
 
 def validate_submit_groups(request: reconciler_pb2.SubmitGroupsRequest) -> None:
@@ -23,6 +29,7 @@ def validate_submit_groups(request: reconciler_pb2.SubmitGroupsRequest) -> None:
         field = f"groups[{index}]"
         validate_task(group.task, f"{field}.task")
         require_range(group.num_samples, f"{field}.num_samples", 1, MAX_GROUP_SIZE)
+        require_range(group.priority, f"{field}.priority", -MAX_PRIORITY, MAX_PRIORITY)
         require(
             group.kind != common_pb2.SLOT_KIND_UNSPECIFIED,
             f"{field}.kind",
@@ -32,16 +39,35 @@ def validate_submit_groups(request: reconciler_pb2.SubmitGroupsRequest) -> None:
             require_identifier(group.idempotency_key, f"{field}.idempotency_key")
 
 
-def validate_claim_slots(request: reconciler_pb2.ClaimSlotsRequest) -> None:
-    """A worker id and 1..MAX_SLOTS_PER_CLAIM slots."""
+def validate_claim_slots(request: reconciler_pb2.ClaimSlotsRequest, max_ttl_s: float) -> None:
+    """A worker id, 1..MAX_SLOTS_PER_CLAIM slots, known kinds, a lease TTL within bounds."""
     require_identifier(request.worker_id, "worker_id")
     require_range(request.max_slots, "max_slots", 1, MAX_SLOTS_PER_CLAIM)
-    require(request.lease_ttl_s >= 0, "lease_ttl_s", f"must be >= 0, got {request.lease_ttl_s}")
+    require_range(request.lease_ttl_s, "lease_ttl_s", 0, max_ttl_s)
+    for index, kind in enumerate(request.kinds):
+        require(
+            kind in (common_pb2.SLOT_KIND_TRAIN, common_pb2.SLOT_KIND_EVAL),
+            f"kinds[{index}]",
+            "must be SLOT_KIND_TRAIN or SLOT_KIND_EVAL",
+        )
+
+
+def validate_group_id(group_id: str, field: str) -> None:
+    """16 lower-case hex digits, as the reconciler makes them."""
+    require(
+        _GROUP_ID.match(group_id) is not None,
+        field,
+        f"{group_id[:80]!r} is not a group id (16 lower-case hex digits)",
+    )
 
 
 def validate_lease(slot_id: str, lease_token: str) -> None:
-    """A slot id and the lease token that proves the caller holds it."""
-    require_identifier(slot_id, "slot_id")
+    """A slot id ("<group id>/<index>") and the lease token that proves the caller holds it."""
+    require(
+        _SLOT_ID.match(slot_id) is not None,
+        "slot_id",
+        f"{slot_id[:80]!r} is not a slot id ('<16 hex digits>/<index>')",
+    )
     require(bool(lease_token), "lease_token", "must not be empty")
 
 
@@ -49,6 +75,7 @@ def validate_complete_slot(request: reconciler_pb2.CompleteSlotRequest) -> None:
     """A lease and a rollout summary that points at its stored record."""
     validate_lease(request.slot_id, request.lease_token)
     require(request.HasField("rollout"), "rollout", "must be set")
+    require_identifier(request.rollout.rollout_id, "rollout.rollout_id")
     validate_object_ref(request.rollout.record, "rollout.record")
 
 
@@ -59,10 +86,22 @@ def validate_fail_slot(request: reconciler_pb2.FailSlotRequest) -> None:
 
 
 def validate_pull_batch(request: reconciler_pb2.PullBatchRequest) -> None:
-    """A consumer id, at least one group, a non-negative wait."""
+    """A consumer id, 1..MAX_GROUPS_PER_CALL groups, a wait of at most an hour."""
     require_identifier(request.consumer_id, "consumer_id")
-    require(request.num_groups >= 1, "num_groups", "must be >= 1")
+    require_range(request.num_groups, "num_groups", 1, MAX_GROUPS_PER_CALL)
     require_range(request.wait_s, "wait_s", 0, 3600)
+
+
+def validate_watch_groups(request: reconciler_pb2.WatchGroupsRequest) -> None:
+    """1..MAX_GROUPS_PER_CALL group ids."""
+    require(len(request.group_ids) > 0, "group_ids", "must not be empty")
+    require(
+        len(request.group_ids) <= MAX_GROUPS_PER_CALL,
+        "group_ids",
+        f"at most {MAX_GROUPS_PER_CALL}, got {len(request.group_ids)}",
+    )
+    for index, group_id in enumerate(request.group_ids):
+        validate_group_id(group_id, f"group_ids[{index}]")
 
 
 def validate_publish(request: reconciler_pb2.PublishPolicyVersionRequest) -> None:
@@ -70,3 +109,15 @@ def validate_publish(request: reconciler_pb2.PublishPolicyVersionRequest) -> Non
     require(request.HasField("notice"), "notice", "must be set")
     require(request.notice.version >= 1, "notice.version", "must be >= 1")
     require(bool(request.notice.manifest_key), "notice.manifest_key", "must not be empty")
+
+
+def validate_commit_batch(request: reconciler_pb2.CommitBatchRequest) -> None:
+    """A consumer id and well-formed group ids."""
+    require_identifier(request.consumer_id, "consumer_id")
+    require(
+        len(request.group_ids) <= MAX_GROUPS_PER_CALL,
+        "group_ids",
+        f"at most {MAX_GROUPS_PER_CALL}, got {len(request.group_ids)}",
+    )
+    for index, group_id in enumerate(request.group_ids):
+        validate_group_id(group_id, f"group_ids[{index}]")

@@ -562,17 +562,27 @@ class CommitBatchRequest(_message.Message):
 
     CONSUMER_ID_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    GROUP_IDS_FIELD_NUMBER: _builtins.int
     consumer_id: _builtins.str
     step: _builtins.int
+    """Commits every step of this consumer up to and including this one."""
+    @_builtins.property
+    def group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The groups the consumer trained in those steps. Listing them makes the commit
+        exact even when Redis lost the pull (appendfsync everysec loses at most its last
+        second of writes): listed groups become committed whatever state they are in.
+        """
+
     def __init__(
         self,
         *,
         consumer_id: _builtins.str = ...,
         step: _builtins.int = ...,
+        group_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_id", b"consumer_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_id", b"consumer_id", "group_ids", b"group_ids", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

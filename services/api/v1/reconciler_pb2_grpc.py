@@ -143,7 +143,7 @@ class ReconcilerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CommitBatch(self, request, context):
-        """Mark the groups consumed at (consumer_id, step) as trained; they never come back.
+        """Mark the groups consumed by consumer_id up to step as trained; they never come back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

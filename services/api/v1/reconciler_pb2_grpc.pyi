@@ -47,7 +47,7 @@ class ReconcilerServiceStub:
     PullBatch: _grpc.UnaryUnaryMultiCallable[_reconciler_pb2.PullBatchRequest, _reconciler_pb2.PullBatchResponse]
     """Move ready groups to "consumed" by (consumer_id, step), atomically."""
     CommitBatch: _grpc.UnaryUnaryMultiCallable[_reconciler_pb2.CommitBatchRequest, _reconciler_pb2.CommitBatchResponse]
-    """Mark the groups consumed at (consumer_id, step) as trained; they never come back."""
+    """Mark the groups consumed by consumer_id up to step as trained; they never come back."""
     GetGroup: _grpc.UnaryUnaryMultiCallable[_reconciler_pb2.GetGroupRequest, _reconciler_pb2.GetGroupResponse]
     WatchGroups: _grpc.UnaryStreamMultiCallable[_reconciler_pb2.WatchGroupsRequest, _reconciler_pb2.GroupEvent]
     """Server stream of state changes of the given groups (the futures API's transport)."""
@@ -73,7 +73,7 @@ class ReconcilerServiceAsyncStub(ReconcilerServiceStub):
     PullBatch: _aio.UnaryUnaryMultiCallable[_reconciler_pb2.PullBatchRequest, _reconciler_pb2.PullBatchResponse]  # type: ignore[assignment]
     """Move ready groups to "consumed" by (consumer_id, step), atomically."""
     CommitBatch: _aio.UnaryUnaryMultiCallable[_reconciler_pb2.CommitBatchRequest, _reconciler_pb2.CommitBatchResponse]  # type: ignore[assignment]
-    """Mark the groups consumed at (consumer_id, step) as trained; they never come back."""
+    """Mark the groups consumed by consumer_id up to step as trained; they never come back."""
     GetGroup: _aio.UnaryUnaryMultiCallable[_reconciler_pb2.GetGroupRequest, _reconciler_pb2.GetGroupResponse]  # type: ignore[assignment]
     WatchGroups: _aio.UnaryStreamMultiCallable[_reconciler_pb2.WatchGroupsRequest, _reconciler_pb2.GroupEvent]  # type: ignore[assignment]
     """Server stream of state changes of the given groups (the futures API's transport)."""
@@ -138,7 +138,7 @@ class ReconcilerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _reconciler_pb2.CommitBatchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_reconciler_pb2.CommitBatchResponse, _abc.Awaitable[_reconciler_pb2.CommitBatchResponse]]:
-        """Mark the groups consumed at (consumer_id, step) as trained; they never come back."""
+        """Mark the groups consumed by consumer_id up to step as trained; they never come back."""
 
     @_abc_1.abstractmethod
     def GetGroup(

@@ -1,0 +1,112 @@
+"""Task sources that keep a target number of groups in flight.
+
+A feeder addresses tasks by position; the reconciler stores the last submitted
+position (the cursor) in Redis in the same atomic step that creates the groups,
+and every group carries the idempotency key ``feeder:<name>:<position>``. So a
+restart resumes where it stopped, and a task is never submitted twice: training
+is single-epoch by default.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from pathlib import Path
+
+from google.protobuf import json_format
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from services.api.v1 import common_pb2, reconciler_pb2
+from services.messages import validate_task
+from services.reconciler.config import FeederConfig
+from services.reconciler.store import SlotStore
+
+log = logging.getLogger(__name__)
+
+
+class TaskFeeder(abc.ABC):
+    """A deterministic sequence of tasks."""
+
+    @abc.abstractmethod
+    def tasks_from(self, position: int, count: int) -> list[common_pb2.Task]:
+        """Up to `count` tasks starting at `position`; fewer (or none) when the source ends."""
+
+
+class JsonlTaskFeeder(TaskFeeder):
+    """Tasks from a file of protobuf-JSON Task messages, one per line."""
+
+    def __init__(self, path: Path) -> None:
+        self.tasks: list[common_pb2.Task] = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                task = json_format.Parse(line, common_pb2.Task())
+                validate_task(task, "task")
+            except (json_format.ParseError, ValueError) as error:
+                raise ValueError(f"{path}:{number}: not a valid Task: {error}") from error
+            self.tasks.append(task)
+
+    def tasks_from(self, position: int, count: int) -> list[common_pb2.Task]:
+        return self.tasks[position : position + count]
+
+
+FEEDERS: dict[str, type[JsonlTaskFeeder]] = {"jsonl": JsonlTaskFeeder}
+
+
+def build_feeder(config: FeederConfig) -> TaskFeeder:
+    """The feeder `config.kind` names."""
+    return FEEDERS[config.kind](config.path)
+
+
+async def top_up(store: SlotStore, feeder: TaskFeeder, config: FeederConfig) -> int:
+    """Submits groups until `target_in_flight` are submitted-but-unconsumed; returns how many."""
+    counts = await store.counts()
+    in_flight = counts.get("group:RUNNING", 0) + counts.get("group:READY", 0)
+    wanted = config.target_in_flight - in_flight
+    if wanted <= 0:
+        return 0
+    cursor = int(await store.redis.get(store.key("feeder", config.name, "cursor")) or -1)
+    tasks = feeder.tasks_from(cursor + 1, wanted)
+    if not tasks:
+        return 0
+    specs = [
+        reconciler_pb2.GroupSpec(
+            task=task,
+            num_samples=config.num_samples,
+            kind=common_pb2.SLOT_KIND_TRAIN,
+            idempotency_key=f"feeder:{config.name}:{cursor + 1 + offset}",
+        )
+        for offset, task in enumerate(tasks)
+    ]
+    await store.submit(specs, cursor=(config.name, cursor + len(tasks)))
+    return len(tasks)
+
+
+async def run_feeder(
+    store: SlotStore, feeder: TaskFeeder, config: FeederConfig, owner: str
+) -> None:
+    """Tops up every interval while this replica holds the feeder's lease in Redis."""
+    lease_key = store.key("feeder", config.name, "leader")
+    lease_ms = int(max(3 * config.interval_s, 1.0) * 1000)
+    exhausted = False
+    while True:
+        try:
+            leader = await store.redis.set(lease_key, owner, nx=True, px=lease_ms)
+            if not leader and await store.redis.get(lease_key) == owner.encode():
+                leader = await store.redis.pexpire(lease_key, lease_ms)
+            if leader:
+                submitted = await top_up(store, feeder, config)
+                if submitted:
+                    log.info("feeder %s submitted %d groups", config.name, submitted)
+                    exhausted = False
+                elif not exhausted:
+                    exhausted = True
+                    log.info(
+                        "feeder %s: nothing to submit (in flight or source ended)", config.name
+                    )
+        except (RedisConnectionError, RedisTimeoutError, OSError) as error:
+            log.warning("feeder %s: redis unavailable (%s)", config.name, error)
+        await asyncio.sleep(config.interval_s)
