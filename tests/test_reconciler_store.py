@@ -300,3 +300,43 @@ async def test_unknown_ids(store: SlotStore) -> None:
     with pytest.raises(NotFound):
         await store.heartbeat("0123456789abcdef/0", "token")
     assert await store.group_states(["0123456789abcdef"]) == {"0123456789abcdef": ""}
+
+
+def numbered_task(position: int, seed: int) -> common_pb2.Task | None:
+    """A generator for the feeder test: 5 tasks, then the source ends."""
+    return task(f"gen-{seed}-{position}") if position < 5 else None
+
+
+async def test_feeders_top_up_once_per_task(tmp_path: Any) -> None:
+    from services.reconciler.config import FeederConfig
+    from services.reconciler.feeders import build_feeder, top_up
+
+    store, _ = await make_store()
+    try:
+        config = FeederConfig(
+            kind="generator",
+            generator="tests.test_reconciler_store:numbered_task",
+            seed=7,
+            num_samples=2,
+            target_in_flight=3,
+        )
+        feeder = build_feeder(config)
+        assert await top_up(store, feeder, config) == 3
+        assert await top_up(store, feeder, config) == 0  # 3 in flight already
+        await complete_all(store, await store.claim("w", [], 6, 5))
+        await store.pull("trainer", 1, 3, 0, partial=False)
+        assert await top_up(store, feeder, config) == 2  # the source has 5 tasks
+        assert await top_up(store, feeder, config) == 0
+        claimed = await store.claim("w", [], 10, 5)
+        assert sorted({c.task.task_id for c in claimed}) == ["gen-7-3", "gen-7-4"]
+        cursor = await store.redis.get(store.key("feeder", "default", "cursor"))
+        assert int(cursor) == 4
+    finally:
+        await drop_run(store)
+
+    bad = tmp_path / "tasks.jsonl"
+    bad.write_text('{"taskId": "x"}\n')
+    with pytest.raises(ValueError, match=r"tasks\.jsonl:1"):
+        build_feeder(FeederConfig(path=bad))
+    with pytest.raises(ValueError, match="needs generator"):
+        FeederConfig(kind="generator")

@@ -13,8 +13,18 @@ from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig, S
 class FeederConfig(StrictModel):
     """A task source that keeps a number of groups in flight (single epoch by default)."""
 
-    kind: Literal["jsonl"] = Field("jsonl", description="Source type: a JSON-lines file of Tasks.")
-    path: Path = Field(description="File of Task messages in protobuf JSON, one per line.")
+    kind: Literal["jsonl", "generator"] = Field(
+        "jsonl", description="A JSON-lines file of Tasks, or a generator function."
+    )
+    path: Path | None = Field(
+        None, description="jsonl: file of Task messages in protobuf JSON, one per line."
+    )
+    generator: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="generator: 'module:function'; (position, seed) -> Task, or None at the end.",
+    )
+    seed: int = Field(0, ge=0, description="generator: seed passed to the function.")
     name: str = Field(
         "default", pattern=r"^[a-z0-9-]{1,40}$", description="Names the cursor kept in Redis."
     )
@@ -23,6 +33,14 @@ class FeederConfig(StrictModel):
         16, ge=1, description="Keep this many groups submitted but not yet consumed."
     )
     interval_s: float = Field(1.0, gt=0, description="How often the feeder tops up.")
+
+    @model_validator(mode="after")
+    def _source(self) -> FeederConfig:
+        if self.kind == "jsonl" and self.path is None:
+            raise ValueError("feeder kind 'jsonl' needs path (got path = None)")
+        if self.kind == "generator" and self.generator is None:
+            raise ValueError("feeder kind 'generator' needs generator (got generator = None)")
+        return self
 
 
 class ReconcilerConfig(ServiceConfig):

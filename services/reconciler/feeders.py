@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import importlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from google.protobuf import json_format
@@ -37,7 +39,9 @@ class TaskFeeder(abc.ABC):
 class JsonlTaskFeeder(TaskFeeder):
     """Tasks from a file of protobuf-JSON Task messages, one per line."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, config: FeederConfig) -> None:
+        assert config.path is not None  # the config validator guarantees it
+        path: Path = config.path
         self.tasks: list[common_pb2.Task] = []
         for number, line in enumerate(path.read_text().splitlines(), start=1):
             if not line.strip():
@@ -53,12 +57,37 @@ class JsonlTaskFeeder(TaskFeeder):
         return self.tasks[position : position + count]
 
 
-FEEDERS: dict[str, type[JsonlTaskFeeder]] = {"jsonl": JsonlTaskFeeder}
+class GeneratorTaskFeeder(TaskFeeder):
+    """Tasks made on demand by ``function(position, seed) -> Task | None`` (None ends it)."""
+
+    def __init__(self, config: FeederConfig) -> None:
+        assert config.generator is not None  # the config validator guarantees it
+        module, _, name = config.generator.partition(":")
+        self._make: Callable[[int, int], common_pb2.Task | None] = getattr(
+            importlib.import_module(module), name
+        )
+        self._seed = config.seed
+
+    def tasks_from(self, position: int, count: int) -> list[common_pb2.Task]:
+        tasks = []
+        for index in range(position, position + count):
+            task = self._make(index, self._seed)
+            if task is None:
+                break
+            validate_task(task, f"generated task {index}")
+            tasks.append(task)
+        return tasks
+
+
+FEEDERS: dict[str, Callable[[FeederConfig], TaskFeeder]] = {
+    "jsonl": JsonlTaskFeeder,
+    "generator": GeneratorTaskFeeder,
+}
 
 
 def build_feeder(config: FeederConfig) -> TaskFeeder:
     """The feeder `config.kind` names."""
-    return FEEDERS[config.kind](config.path)
+    return FEEDERS[config.kind](config)
 
 
 async def top_up(store: SlotStore, feeder: TaskFeeder, config: FeederConfig) -> int:
