@@ -154,6 +154,49 @@ class ObjectStoreConfig(StrictModel):
     )
     endpoint_url: str | None = Field(None, description="S3 API endpoint (MinIO, moto, ...).")
     region: str | None = Field(None, description="S3 region.")
+    max_attempts: int = Field(
+        6, ge=1, le=20, description="Tries per request on throttling, 5xx and timeouts."
+    )
+    max_backoff_s: float = Field(5.0, gt=0, description="Longest wait between tries.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="S3 connect timeout.")
+    read_timeout_s: float = Field(60.0, gt=0, description="S3 read timeout.")
+    multipart_threshold_bytes: int = Field(
+        64 * MIB, ge=1024, description="Objects this large are uploaded in parts."
+    )
+    part_size_bytes: int = Field(
+        16 * MIB,
+        ge=1024,
+        description="Multipart part and ranged-download chunk size (AWS S3 needs >= 5 MiB).",
+    )
+    max_concurrency: int = Field(8, ge=1, le=64, description="Parallel parts or ranges.")
+
+
+class WeightsConfig(StrictModel):
+    """How policy versions travel from trainer ranks to inference replicas."""
+
+    keyframe_interval: int = Field(
+        8, ge=1, le=10_000, description="A full keyframe every this many versions."
+    )
+    zstd_level: int = Field(1, ge=1, le=22, description="zstd level of the codec.")
+    group_bytes: int = Field(
+        64 * MIB, ge=1024, description="Tensors are grouped into objects of about this size."
+    )
+    publish_attempts: int = Field(
+        3, ge=1, le=20, description="Tries of a whole version before it is given up."
+    )
+    shard_wait_s: float = Field(
+        600.0, gt=0, description="Shard 0 waits this long for the other shards of a version."
+    )
+    poll_interval_s: float = Field(
+        10.0, gt=0, description="Followers check `latest` this often besides notices."
+    )
+    concurrency: int = Field(8, ge=1, le=64, description="Parallel object uploads or downloads.")
+    keep_last: int = Field(
+        2, ge=1, description="Retention keeps the newest keyframe chain and at least this many."
+    )
+    collect_garbage: bool = Field(
+        True, description="Shard 0 deletes versions nobody can need after each publish."
+    )
 
 
 class LauncherConfig(StrictModel):

@@ -29,6 +29,7 @@ from services.config import (
     RunConfig,
     StrictModel,
     TelemetryConfig,
+    WeightsConfig,
 )
 from services.envs.config import EnvsConfig
 from services.evals.config import EvalsConfig
@@ -50,6 +51,7 @@ class EtudeConfig(StrictModel):
     object_store: ObjectStoreConfig = Field(
         default_factory=ObjectStoreConfig, description="Object store."
     )
+    weights: WeightsConfig = Field(default_factory=WeightsConfig, description="Weight exchange.")
     reconciler: ReconcilerConfig = Field(
         default_factory=ReconcilerConfig, description="Reconciler service."
     )

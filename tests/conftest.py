@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.config import SERVICE_NAMES
 from services.wire.ports import free_port
+from tests.objectstore_support import CREDENTIALS, MIN_PART
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789"
@@ -156,3 +158,34 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     finally:
         for process in deployment.processes.values():
             stop_process(process)
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto S3 server process (a real S3 API over HTTP) with a lowered minimum part size."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    env = {**os.environ, **CREDENTIALS, "S3_UPLOAD_PART_MIN_SIZE": str(MIN_PART)}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+            connection.request("GET", "/")
+            connection.getresponse().read()
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"moto did not start:\n{log.read_text()}") from None
+            time.sleep(0.1)
+    os.environ.update(CREDENTIALS)
+    yield endpoint
+    process.terminate()
+    process.wait(10)

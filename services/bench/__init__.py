@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "grpc": "services.bench.grpc_overhead:run",
     "quant": "services.bench.quant:run",
     "reconciler": "services.bench.reconciler:run",
+    "weight-sync": "services.bench.weight_sync:run",
 }
 
 

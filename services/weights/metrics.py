@@ -1,0 +1,38 @@
+"""Weight-exchange metrics (trainer side: publish; inference side: load)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+
+BYTES_UPLOADED = Counter("etude_weights_uploaded_bytes", "Bytes of weight objects uploaded.")
+BYTES_DOWNLOADED = Counter("etude_weights_downloaded_bytes", "Bytes of weight objects downloaded.")
+RAW_BYTES = Counter("etude_weights_raw_bytes", "Uncompressed bytes of the tensors published.")
+COMPRESSION_RATIO = Gauge(
+    "etude_weights_compression_ratio", "Stored bytes / raw bytes of the last version published."
+)
+ENCODE_SECONDS = Histogram(
+    "etude_weights_encode_seconds", "Encoding one shard of a version.", buckets=_SECONDS
+)
+DECODE_SECONDS = Histogram(
+    "etude_weights_decode_seconds", "Reconstructing one version.", buckets=_SECONDS
+)
+UPLOAD_SECONDS = Histogram(
+    "etude_weights_upload_seconds", "Uploading one shard of a version.", buckets=_SECONDS
+)
+PUBLISH_LAG = Histogram(
+    "etude_weights_publish_lag_seconds",
+    "From the snapshot of a version to its manifest and latest pointer being written.",
+    buckets=_SECONDS,
+)
+PUBLISHED_VERSION = Gauge(
+    "etude_weights_published_version", "Newest version this process published."
+)
+PUBLISH_FAILURES = Counter("etude_weights_publish_failures", "Versions given up after all tries.")
+LOADED_VERSION = Gauge("etude_weights_loaded_version", "Newest version this process loaded.")
+FALLBACKS = Counter(
+    "etude_weights_keyframe_fallbacks",
+    "Loads that fell back from the cached weights to a keyframe chain, by reason.",
+    ["reason"],
+)
