@@ -211,6 +211,10 @@ async def test_policy_versions_are_streamed(server: ReconcilerProcess) -> None:
         async with asyncio.timeout(10):
             await follower
         assert received == [1, 2]
+        versions = client.policy_versions(after_version=1)
+        async with asyncio.timeout(10):
+            assert await anext(versions) == 2
+        await versions.aclose()
         # A late follower gets the newest version at once, not the history.
         stream = client.stub.WatchPolicyVersions(
             reconciler_pb2.WatchPolicyVersionsRequest(after_version=0)

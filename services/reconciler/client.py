@@ -249,6 +249,26 @@ class ReconcilerClient:
         )
         return int(answer.num_committed)
 
+    async def policy_versions(self, after_version: int = 0) -> AsyncIterator[int]:
+        """Each newer published version, as announced (the newest at once if newer);
+        the watch is re-opened after outages and deadlines, without repeats."""
+        last = after_version
+        while True:
+            request = reconciler_pb2.WatchPolicyVersionsRequest(after_version=last)
+            try:
+                async for notice in self.stub.WatchPolicyVersions(request):
+                    if notice.version > last:
+                        last = notice.version
+                        yield last
+            except aio.AioRpcError as error:
+                if error.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ):
+                    raise
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    await asyncio.sleep(0.5)
+
     async def publish_version(self, notice: common_pb2.PolicyVersionNotice) -> int:
         """Announces a published policy version; returns the current one."""
         answer = await self.stub.PublishPolicyVersion(
