@@ -35,12 +35,22 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def write_config(path: Path, *, model_dir: Path, state_dir: Path) -> dict[str, tuple[int, int]]:
-    """A run config on free ports; returns {service: (grpc_port, http_port)}."""
+def write_config(
+    path: Path,
+    *,
+    model_dir: Path,
+    state_dir: Path,
+    run_name: str = "test",
+    extra: dict[str, list[str]] | None = None,
+) -> dict[str, tuple[int, int]]:
+    """A run config on free ports; returns {service: (grpc_port, http_port)}.
+
+    `extra` adds lines to sections: {"inference": ["follow_weights = true"], ...}.
+    """
     ports = {name: (free_port(), free_port()) for name in SERVICE_NAMES}
     lines = [
         "[run]",
-        'name = "test"',
+        f'name = "{run_name}"',
         f'state_dir = "{state_dir}"',
         "[object_store]",
         f'url = "file://{state_dir}/store"',
@@ -65,6 +75,21 @@ def write_config(path: Path, *, model_dir: Path, state_dir: Path) -> dict[str, t
         "ready_timeout_s = 300",
         "stop_grace_s = 15",
     ]
+    for section, added in (extra or {}).items():
+        header = f"[{section}]"
+        if header not in lines:
+            lines += [header, *added]
+            continue
+        start = lines.index(header) + 1
+        end = next((i for i in range(start, len(lines)) if lines[i].startswith("[")), len(lines))
+        for line in added:  # a key already in the section is replaced, not repeated
+            key = line.split("=", 1)[0].strip()
+            same = [i for i in range(start, end) if lines[i].split("=", 1)[0].strip() == key]
+            if same:
+                lines[same[0]] = line
+            else:
+                lines.insert(start, line)
+                end += 1
     path.write_text("\n".join(lines) + "\n")
     return ports
 

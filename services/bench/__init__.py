@@ -17,6 +17,7 @@ from typing import Any
 # name -> "module:function"; imported only when run, so `etude --help` stays fast.
 BENCHMARKS: dict[str, str] = {
     "grpc": "services.bench.grpc_overhead:run",
+    "inference": "services.bench.inference:run",
     "quant": "services.bench.quant:run",
     "reconciler": "services.bench.reconciler:run",
     "weight-sync": "services.bench.weight_sync:run",

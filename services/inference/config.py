@@ -36,6 +36,13 @@ class EngineConfig(StrictModel):
         0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may use (CUDA only)."
     )
     seed: int = Field(0, ge=0, description="Engine seed (per-request seeds override it).")
+    capture_routed_experts: bool = Field(
+        True,
+        description=(
+            "Record the experts every token was routed to (for router replay); turns "
+            "prefix caching off, since cached prompt tokens are not run again."
+        ),
+    )
     start_timeout_s: float = Field(600.0, gt=0, description="Give up starting the engine after.")
 
 
@@ -49,3 +56,10 @@ class InferenceConfig(ServiceConfig):
         default_factory=lambda: HttpServerConfig(port=9103), description="HTTP listener."
     )
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine.")
+    follow_weights: bool = Field(
+        False,
+        description=(
+            "Load every version the trainer publishes ([weights], [object_store]); the "
+            "replica turns ready only once it serves the newest complete version."
+        ),
+    )

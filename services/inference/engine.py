@@ -1,10 +1,14 @@
 """The vLLM engine of one inference replica (AsyncLLM over a local model directory).
 
-Token ids in, token ids out: the engine loads the tokenizer only for vLLM's own
-EOS handling and never detokenizes. Weight versions: vLLM labels the spans of
-output tokens with the label of the weights that sampled them; the initial
-weights carry vLLM's label "default", which this module reports as the model
-card's policy version.
+Token ids in, token ids out: the engine loads the tokenizer only for vLLM's own EOS
+handling and never detokenizes. Weight versions: vLLM labels the spans of output
+tokens with the label of the weights that sampled them; the initial weights carry
+vLLM's label "default", reported as the model card's policy version, and every
+in-flight update sets the label to the new version number.
+
+Routed experts: on CUDA, vLLM's native capture (``enable_return_routed_experts``); on
+CPU, the worker extension in ``services.inference.capture``. Both give, at the end of
+a request, the expert ids of every token the engine ran, ``[tokens, layers, top_k]``.
 """
 
 from __future__ import annotations
@@ -12,11 +16,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import tempfile
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from services.inference.config import EngineConfig
 
@@ -24,6 +34,7 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DEFAULT_VERSION_LABEL = "default"
+CAPTURE_EXTENSION = "services.inference.capture.RoutingCapture"
 
 
 @dataclass
@@ -37,6 +48,8 @@ class Chunk:
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    # On the last chunk when asked for: [tokens run, moe layers, top_k].
+    routed_experts: np.ndarray | None = None
 
 
 def read_model_shape(model_dir: Path) -> tuple[int, int]:
@@ -66,9 +79,14 @@ class Engine:
         self.vocab_size, model_positions = read_model_shape(config.model_dir)
         self.max_model_len = min(config.max_model_len, model_positions)
         self.serving_version = initial_policy_version(config.model_dir)
-        self._initial_version = self.serving_version
+        self._labels: dict[str, int] = {DEFAULT_VERSION_LABEL: self.serving_version}
         self._llm: Any = None
+        self.on_cuda = torch.cuda.is_available()
+        self.capture_mode = "off"  # "native" | "worker" | "off"
+        self.routing_shape: tuple[int, int] | None = None  # (moe layers, top_k)
         self.num_in_flight = 0
+        self._forget: list[str] = []
+        self._update_lock = asyncio.Lock()
 
     @property
     def loaded(self) -> bool:
@@ -76,11 +94,13 @@ class Engine:
         return self._llm is not None
 
     def _engine_args(self) -> Any:
-        import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         config = self.config
-        on_cuda = torch.cuda.is_available()
+        capture = config.capture_routed_experts
+        kwargs: dict[str, Any] = {}
+        if capture and self.on_cuda:
+            kwargs["enable_return_routed_experts"] = True
         return AsyncEngineArgs(
             model=str(config.model_dir),
             dtype=config.dtype,
@@ -88,10 +108,14 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             enforce_eager=config.enforce_eager,
             seed=config.seed,
-            tensor_parallel_size=config.tensor_parallel_size if on_cuda else 1,
-            enable_expert_parallel=config.enable_expert_parallel and on_cuda,
+            tensor_parallel_size=config.tensor_parallel_size if self.on_cuda else 1,
+            enable_expert_parallel=config.enable_expert_parallel and self.on_cuda,
             gpu_memory_utilization=config.gpu_memory_utilization,
-            kv_cache_memory_bytes=None if on_cuda else int(config.cpu_kv_cache_gib * GIB),
+            kv_cache_memory_bytes=None if self.on_cuda else int(config.cpu_kv_cache_gib * GIB),
+            # Cached prompt tokens are not run again, so they would have no routing.
+            enable_prefix_caching=not capture,
+            worker_extension_cls=CAPTURE_EXTENSION,
+            **kwargs,
         )
 
     async def start(self) -> None:
@@ -105,7 +129,26 @@ class Engine:
         self._llm = await asyncio.wait_for(
             asyncio.to_thread(AsyncLLM.from_engine_args, args), self.config.start_timeout_s
         )
-        log.info("vLLM engine ready, serving policy version %d", self.serving_version)
+        if self.config.capture_routed_experts:
+            if self.on_cuda:
+                self.capture_mode = "native"
+            else:
+                await self.set_capture(True)
+        log.info(
+            "vLLM engine ready, policy version %d, routed-expert capture %s",
+            self.serving_version,
+            self.capture_mode,
+        )
+
+    async def set_capture(self, enabled: bool) -> None:
+        """Turns the CPU worker capture on or off (the benchmark measures both)."""
+        if self.on_cuda:
+            raise RuntimeError("on CUDA, capture is vLLM's native option, fixed at start-up")
+        shapes = await self._llm.collective_rpc(
+            "etude_capture_enable", args=(enabled, self.max_model_len)
+        )
+        self.routing_shape = tuple(shapes[0])
+        self.capture_mode = "worker" if enabled else "off"
 
     async def stop(self) -> None:
         """Shuts the engine and its worker processes down."""
@@ -114,16 +157,23 @@ class Engine:
             await asyncio.to_thread(llm.shutdown)
 
     def _version(self, label: str) -> int:
-        return self._initial_version if label == DEFAULT_VERSION_LABEL else int(label)
+        return self._labels.get(label, self.serving_version) if not label.isdigit() else int(label)
 
     async def generate(
-        self, prompt_token_ids: list[int], sampling: Any, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        sampling: Any,
+        request_id: str | None = None,
+        *,
+        return_routed_experts: bool = False,
     ) -> AsyncIterator[Chunk]:
         """Streams the output of one request; aborts it in the engine if the caller goes away."""
         from vllm.inputs import TokensPrompt
 
         if self._llm is None:
             raise RuntimeError("the engine is not started")
+        if return_routed_experts and self.capture_mode == "off":
+            raise RuntimeError("routed-expert capture is off on this replica")
         request_id = request_id or uuid.uuid4().hex
         offset = 0
         finished = False
@@ -144,7 +194,7 @@ class Engine:
                     for span in completion.weight_versions or []
                 ]
                 finished = output.finished
-                yield Chunk(
+                chunk = Chunk(
                     offset=offset,
                     token_ids=token_ids,
                     logprobs=logprobs,
@@ -152,8 +202,60 @@ class Engine:
                     finish_reason=completion.finish_reason if finished else None,
                     num_prompt_tokens=len(prompt_token_ids),
                 )
+                if finished and return_routed_experts:
+                    chunk.routed_experts = await self._routing(request_id, completion)
+                yield chunk
                 offset += len(token_ids)
         finally:
             self.num_in_flight -= 1
             if not finished and self._llm is not None:
                 await self._llm.abort(request_id)
+            if self.capture_mode == "worker" and not (finished and return_routed_experts):
+                self._forget.append(request_id)
+
+    async def _routing(self, request_id: str, completion: Any) -> np.ndarray:
+        if self.capture_mode == "native":
+            routed: np.ndarray = np.asarray(completion.routed_experts)
+            return routed
+        forget, self._forget = self._forget, []
+        taken = await self._llm.collective_rpc("etude_capture_take", args=([request_id], forget))
+        if request_id not in taken[0]:
+            raise RuntimeError(f"no routed experts were captured for request {request_id}")
+        data, shape = taken[0][request_id]
+        return np.frombuffer(data, dtype="<i2").reshape(tuple(shape))
+
+    async def apply_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> float:
+        """Loads new weights into the running engine; returns how long generation paused.
+
+        Running requests keep their place and their KV cache: tokens after the switch
+        come from the new weights, attending to context the old weights encoded.
+        """
+        from safetensors.torch import save_file
+
+        async with self._update_lock:
+            handle, path = tempfile.mkstemp(
+                prefix=f"etude-weights-v{version}-", suffix=".safetensors", dir=_shm_dir()
+            )
+            os.close(handle)
+            try:
+                # Written while generation goes on; only the load below pauses it.
+                await asyncio.to_thread(
+                    save_file, {n: t.contiguous() for n, t in tensors.items()}, path
+                )
+                paused_at = time.perf_counter()
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
+                try:
+                    await self._llm.collective_rpc("etude_load_weights", args=(path,))
+                    await self._llm.update_weight_version(str(version))
+                finally:
+                    await self._llm.resume_generation()
+                pause_s = time.perf_counter() - paused_at
+            finally:
+                os.unlink(path)
+            self._labels[str(version)] = version
+            self.serving_version = version
+            return pause_s
+
+
+def _shm_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

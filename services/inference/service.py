@@ -1,25 +1,36 @@
 """The inference process: a vLLM engine behind the InferenceService contract.
 
-Ready when the engine is loaded. Generate streams token ids, per-token logprobs
-and weight-version spans. Routed-expert capture and in-flight weight updates are
-not in this release yet: asking for them answers UNIMPLEMENTED.
+Generate streams token ids, per-token logprobs and weight-version spans, and on the
+last chunk the routed experts when asked. With ``follow_weights`` the replica loads
+every published version in flight (``services.inference.updates``) and turns ready
+only once it serves the newest complete version.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 from grpc import aio
 
 from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.inference import validation
+from services.inference import metrics, validation
 from services.inference.engine import Engine
+from services.inference.updates import WeightFollower
+from services.objectstore import open_store
+from services.reconciler.client import ReconcilerClient
 from services.run_config import EtudeConfig
+from services.weights.subscriber import WeightSubscriber
 from services.wire.client import Channels
-from services.wire.errors import Unavailable, Unimplemented
+from services.wire.errors import FailedPrecondition, NotFound, Unavailable, require
 from services.wire.server import run_service
 from services.wire.service import Readiness, Service
+
+log = logging.getLogger(__name__)
 
 _FINISH_REASONS = {
     "stop": inference_pb2.FINISH_REASON_STOP,
@@ -48,6 +59,15 @@ def to_vllm_sampling(sampling: inference_pb2.SamplingParams) -> Any:
     )
 
 
+def pack_routing(table: np.ndarray) -> common_pb2.RoutedExperts:
+    """A [tokens, layers, top_k] table as the wire's packed little-endian array."""
+    if table.size and int(table.max()) < 256 and int(table.min()) >= 0:
+        data, dtype = table.astype("<u1"), common_pb2.INDEX_DTYPE_UINT8
+    else:
+        data, dtype = table.astype("<i2"), common_pb2.INDEX_DTYPE_INT16
+    return common_pb2.RoutedExperts(data=data.tobytes(), shape=list(table.shape), dtype=dtype)
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     """The InferenceService contract."""
 
@@ -61,17 +81,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         validation.validate_generate(
             request, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len
         )
-        if request.return_routed_experts:
-            raise Unimplemented("return_routed_experts: routed-expert capture is not built yet")
         if not engine.loaded:
             raise Unavailable("the engine is still loading")
+        if request.return_routed_experts and engine.capture_mode == "off":
+            raise FailedPrecondition(
+                "return_routed_experts: capture is off on this replica "
+                "(inference.engine.capture_routed_experts = false)"
+            )
         chunks = engine.generate(
             list(request.prompt_token_ids),
             to_vllm_sampling(request.sampling),
             request.request_id or None,
+            return_routed_experts=request.return_routed_experts,
         )
         async for chunk in chunks:
-            yield inference_pb2.GenerateResponse(
+            metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
+            response = inference_pb2.GenerateResponse(
                 token_ids=chunk.token_ids,
                 logprobs=chunk.logprobs,
                 version_spans=[
@@ -84,11 +109,28 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 num_prompt_tokens=chunk.num_prompt_tokens,
                 offset=chunk.offset,
             )
+            if chunk.routed_experts is not None:
+                response.routed_experts.CopyFrom(pack_routing(chunk.routed_experts))
+            yield response
 
     async def NotifyVersion(
         self, request: common_pb2.PolicyVersionNotice, context: aio.ServicerContext
     ) -> inference_pb2.NotifyVersionResponse:
-        raise Unimplemented("NotifyVersion: in-flight weight updates are not built yet")
+        follower = self._service.follower
+        if follower is None:
+            raise FailedPrecondition(
+                "this replica does not follow published weights (inference.follow_weights)"
+            )
+        require(request.version >= 0, "version", "must be >= 0")
+        serving = self._service.engine.serving_version
+        if request.version > serving:
+            if not await asyncio.to_thread(follower.is_published, request.version):
+                raise NotFound(
+                    f"version {request.version} of run {self._service.config.run.name} is not "
+                    "published (no manifest in the object store)"
+                )
+            follower.request(request.version)
+        return inference_pb2.NotifyVersionResponse(accepted=True, serving_version=serving)
 
     async def GetStatus(
         self, request: common_pb2.StatusRequest, context: aio.ServicerContext
@@ -99,7 +141,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             serving_version=engine.serving_version,
             model=str(engine.config.model_dir),
             num_running=engine.num_in_flight,
-            routed_experts_capture=False,
+            routed_experts_capture=engine.capture_mode != "off",
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
         )
@@ -113,6 +155,13 @@ class InferenceService(Service):
     def __init__(self, config: EtudeConfig, channels: Channels) -> None:
         super().__init__(config, channels)
         self.engine = Engine(config.inference.engine)
+        self.follower: WeightFollower | None = None
+        self._follow_task: asyncio.Task[None] | None = None
+        if config.inference.follow_weights:
+            subscriber = WeightSubscriber(
+                open_store(config.object_store), config.run.name, config.weights
+            )
+            self.follower = WeightFollower(self.engine, subscriber)
 
     def register(self, server: aio.Server) -> list[str]:
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self), server)
@@ -121,6 +170,14 @@ class InferenceService(Service):
     async def start(self) -> None:
         self.readiness = Readiness(False, "loading the vLLM engine")
         await self.engine.start()
+        metrics.SERVING_VERSION.set(self.engine.serving_version)
+        metrics.CAPTURE_ON.set(float(self.engine.capture_mode != "off"))
+        if self.follower is not None:
+            self.readiness = Readiness(False, "loading the newest published version")
+            await self.follower.catch_up()  # a cold replica serves the newest version first
+            client = ReconcilerClient(self.channels.get("reconciler"))
+            notices = client.policy_versions(after_version=self.engine.serving_version)
+            self._follow_task = asyncio.create_task(self.follower.run(notices))
 
     async def check_ready(self) -> Readiness:
         if not self.engine.loaded:
@@ -128,6 +185,10 @@ class InferenceService(Service):
         return Readiness(True, f"serving policy version {self.engine.serving_version}")
 
     async def stop(self) -> None:
+        if self._follow_task is not None:
+            self._follow_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follow_task
         await self.engine.stop()
 
     def status_fields(self) -> dict[str, str]:
@@ -137,6 +198,9 @@ class InferenceService(Service):
             "serving version": str(engine.serving_version),
             "requests in flight": str(engine.num_in_flight),
             "max model len": str(engine.max_model_len),
+            "routed-expert capture": engine.capture_mode,
+            "last update pause": f"{self.follower.last_pause_s:.3f} s" if self.follower else "-",
+            "last update error": (self.follower.last_error or "none") if self.follower else "-",
         }
 
 

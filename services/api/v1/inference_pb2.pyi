@@ -102,6 +102,7 @@ class GenerateRequest(_message.Message):
     request_id: _builtins.str
     """Caller's id, used for logs, tracing and aborts; generated when empty."""
     return_routed_experts: _builtins.bool
+    """Return the routed experts on the last chunk (needs capture on the replica)."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The harness never retokenizes: prompts are token ids."""
@@ -135,7 +136,6 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
-    PROMPT_ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     """Set on the last chunk only."""
     num_prompt_tokens: _builtins.int
@@ -151,15 +151,14 @@ class GenerateResponse(_message.Message):
 
     @_builtins.property
     def routed_experts(self) -> _common_pb2.RoutedExperts:
-        """[len(token_ids), layers, top_k] for this chunk's tokens."""
+        """On the last chunk, when the request asked for it: the experts every MoE layer
+        routed each token the engine ran to — the prompt, then every generated token but
+        the last (it is never fed back) — [num_prompt_tokens + generated - 1, layers, top_k].
+        """
 
     @_builtins.property
     def version_spans(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.VersionSpan]:
         """Offsets relative to the first generated token of the request."""
-
-    @_builtins.property
-    def prompt_routed_experts(self) -> _common_pb2.RoutedExperts:
-        """Routed experts of the prompt tokens, on the first chunk when requested."""
 
     def __init__(
         self,
@@ -171,11 +170,10 @@ class GenerateResponse(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         num_prompt_tokens: _builtins.int = ...,
         offset: _builtins.int = ...,
-        prompt_routed_experts: _common_pb2.RoutedExperts | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_routed_experts", b"prompt_routed_experts", "routed_experts", b"routed_experts"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["routed_experts", b"routed_experts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_prompt_tokens", b"num_prompt_tokens", "offset", b"offset", "prompt_routed_experts", b"prompt_routed_experts", "routed_experts", b"routed_experts", "token_ids", b"token_ids", "version_spans", b"version_spans"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_prompt_tokens", b"num_prompt_tokens", "offset", b"offset", "routed_experts", b"routed_experts", "token_ids", b"token_ids", "version_spans", b"version_spans"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

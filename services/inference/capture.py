@@ -1,0 +1,142 @@
+"""Inside the vLLM worker process: routed-expert capture and weight loading.
+
+vLLM's native ``enable_return_routed_experts`` needs Model Runner V2, which needs
+Triton, which has no CPU backend. This worker extension (``worker_extension_cls``)
+does the same job on the V1 runner: vLLM's MoE routers accept a capture callback that
+receives the exact expert ids each token was routed to (before any EPLB remapping),
+and the runner's input batch says which rows of the step belong to which request at
+which positions. Rows are scattered into a per-request table, indexed by token
+position; the frontend takes a request's table when it finishes.
+
+Only tokens the engine actually runs get a row: the prompt, then every generated
+token but the last (which is never fed back). Prefix caching would skip cached prompt
+tokens, so the engine runs with prefix caching off while capture is on.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class RoutingCapture:
+    """Mixed into vLLM's worker class; methods are called with ``collective_rpc``."""
+
+    model_runner: Any
+
+    def etude_capture_enable(self, enabled: bool, max_model_len: int) -> tuple[int, int]:
+        """Binds (or unbinds) the capture callbacks; returns (moe layers, top_k)."""
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+        runners = [
+            module
+            for module in self.model_runner.get_model().modules()
+            if isinstance(module, MoERunner)
+        ]
+        if not runners or not all(isinstance(r.router, BaseRouter) for r in runners):
+            raise RuntimeError("routed-expert capture needs vLLM MoE layers with a BaseRouter")
+        layer_ids = sorted(r.layer_id for r in runners)
+        self._etude_layer_index = {layer: index for index, layer in enumerate(layer_ids)}
+        self._etude_top_k = int(runners[0].router.top_k)
+        self._etude_max_len = max_model_len
+        self._etude_tables: dict[str, np.ndarray] = {}
+        self._etude_step: dict[str, Any] | None = None
+        for runner in runners:
+            runner.router.set_capture_fn(
+                partial(self._etude_capture, runner.layer_id) if enabled else None
+            )
+        if enabled and not getattr(self, "_etude_wrapped", False):
+            execute = self.model_runner.execute_model
+
+            def execute_and_scatter(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+                self._etude_step = {"scheduled": scheduler_output.num_scheduled_tokens, "rows": {}}
+                try:
+                    return execute(scheduler_output, *args, **kwargs)
+                finally:
+                    self._etude_scatter()
+
+            self.model_runner.execute_model = execute_and_scatter
+            self._etude_wrapped = True
+        self._etude_enabled = enabled
+        return len(layer_ids), self._etude_top_k
+
+    def _etude_capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        step = self._etude_step
+        if step is None:
+            return  # a forward outside execute_model (warm-up, profiling)
+        if "layout" not in step:
+            batch = self.model_runner.input_batch
+            count = batch.num_reqs
+            step["layout"] = (
+                list(batch.req_ids[:count]),
+                batch.num_computed_tokens_cpu[:count].copy(),
+            )
+        step["rows"][self._etude_layer_index[layer_id]] = topk_ids.to("cpu", torch.int32)
+
+    def _etude_scatter(self) -> None:
+        step, self._etude_step = self._etude_step, None
+        if not getattr(self, "_etude_enabled", False) or step is None or "layout" not in step:
+            return
+        req_ids, computed = step["layout"]
+        layers = step["rows"]
+        if len(layers) != len(self._etude_layer_index):
+            log.warning(
+                "routed-expert capture saw %d of %d MoE layers in a step",
+                len(layers),
+                len(self._etude_layer_index),
+            )
+            return
+        rows = torch.stack([layers[i] for i in range(len(layers))], dim=1).numpy()  # [T, L, K]
+        offset = 0
+        for req_id, start in zip(req_ids, computed, strict=True):
+            count = int(step["scheduled"].get(req_id, 0))
+            table = self._etude_tables.get(req_id)
+            if table is None:
+                table = np.full(
+                    (self._etude_max_len, rows.shape[1], rows.shape[2]), -1, dtype=np.int16
+                )
+                self._etude_tables[req_id] = table
+            table[int(start) : int(start) + count] = rows[offset : offset + count]
+            offset += count
+
+    def etude_capture_take(
+        self, request_ids: list[str], forget: list[str]
+    ) -> dict[str, tuple[bytes, tuple[int, ...]]]:
+        """Removes and returns the tables of `request_ids`, trimmed to the rows run, as
+        (little-endian int16 bytes, shape) — plain values survive the engine's RPC
+        serialization — and drops those of `forget` (finished requests nobody asked
+        routing for). vLLM appends a suffix to request ids (``<id>-<hex>``); both match.
+        """
+        wanted, dropped = set(request_ids), set(forget)
+        taken: dict[str, tuple[bytes, tuple[int, ...]]] = {}
+        for internal in list(self._etude_tables):
+            base = internal.rsplit("-", 1)[0]
+            key = internal if internal in wanted or internal in dropped else base
+            if key in wanted:
+                table = self._etude_tables.pop(internal)
+                filled = np.flatnonzero(table[:, 0, 0] >= 0)
+                rows = int(filled[-1]) + 1 if filled.size else 0
+                taken[key] = (table[:rows].astype("<i2").tobytes(), table[:rows].shape)
+            elif key in dropped:
+                del self._etude_tables[internal]
+        return taken
+
+    def etude_load_weights(self, path: str) -> int:
+        """Loads a full HF-named checkpoint from a safetensors file into the running model.
+
+        vLLM's in-place reload, not ``model.load_weights``: kernels repack weights after
+        loading (the CPU MoE kernels keep experts in their own layout), and the reload
+        runs that post-processing again.
+        """
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+        return len(tensors)

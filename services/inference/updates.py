@@ -1,0 +1,117 @@
+"""Keeping a replica on the newest published policy version.
+
+The follower learns of versions from the reconciler's notices and from polling the
+store's ``latest`` pointer, reconstructs a version with the weights subscriber (in a
+thread: generation goes on meanwhile), then has the engine pause with requests kept,
+load, relabel and resume. A replica that fell far behind simply asks for the newest
+version: the subscriber walks its delta chain down to a keyframe. A version that
+fails to load is logged and counted; the replica keeps serving what it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from services.inference import metrics
+from services.inference.engine import Engine
+from services.objectstore.base import ObjectStoreError
+from services.weights.codec import CodecError
+from services.weights.manifest import WeightsError, read_manifest
+from services.weights.subscriber import WeightSubscriber
+
+log = logging.getLogger(__name__)
+
+
+class WeightFollower:
+    """Moves the engine to each newer version, one at a time, newest first."""
+
+    def __init__(self, engine: Engine, subscriber: WeightSubscriber) -> None:
+        self.engine = engine
+        self.subscriber = subscriber
+        self._requested: asyncio.Queue[int] = asyncio.Queue()
+        self.last_pause_s = 0.0
+        self.last_error = ""
+
+    def is_published(self, version: int) -> bool:
+        """True when `version` has a manifest (it is complete)."""
+        try:
+            read_manifest(self.subscriber.store, self.subscriber.layout, version)
+        except WeightsError:
+            return False
+        return True
+
+    def request(self, version: int) -> None:
+        """Asks for `version` (a notice arrived by RPC)."""
+        self._requested.put_nowait(version)
+
+    async def catch_up(self) -> None:
+        """Loads the newest complete version if it is newer than what is served."""
+        latest = await asyncio.to_thread(self.subscriber.latest)
+        if latest is not None and latest > self.engine.serving_version:
+            await self.update_to(latest)
+
+    async def update_to(self, version: int) -> bool:
+        """Loads `version` into the engine; False (logged, counted) when it cannot."""
+        if version <= self.engine.serving_version:
+            return True
+        try:
+            tensors = await asyncio.to_thread(self.subscriber.load, version)
+            manifest = await asyncio.to_thread(
+                read_manifest, self.subscriber.store, self.subscriber.layout, version
+            )
+            pause_s = await self.engine.apply_weights(tensors, version)
+        except (WeightsError, CodecError, ObjectStoreError) as error:
+            reason = type(error).__name__
+            metrics.UPDATE_FAILURES.labels(reason).inc()
+            self.last_error = f"version {version}: {error}"
+            log.error(
+                "cannot load version %d, still serving %d: %s",
+                version,
+                self.engine.serving_version,
+                error,
+            )
+            return False
+        self.last_pause_s = pause_s
+        metrics.UPDATE_PAUSE.observe(pause_s)
+        metrics.UPDATE_LAG.observe(max(0.0, time.time() - manifest.created_at))
+        metrics.SERVING_VERSION.set(version)
+        log.info("serving version %d (generation paused %.3f s)", version, pause_s)
+        return True
+
+    async def run(self, notices: AsyncIterator[int] | None) -> None:
+        """Follows versions until cancelled: notices, RPC requests, polling."""
+
+        async def merged() -> AsyncIterator[int]:
+            if notices is not None:
+                async for version in notices:
+                    yield version
+            else:
+                await asyncio.Event().wait()
+
+        async def from_requests() -> AsyncIterator[int]:
+            while True:
+                yield await self._requested.get()
+
+        async def feed(source: AsyncIterator[int], queue: asyncio.Queue[int]) -> None:
+            async for version in source:
+                queue.put_nowait(version)
+
+        wanted: asyncio.Queue[int] = asyncio.Queue()
+        feeders = [
+            asyncio.create_task(
+                feed(self.subscriber.follow(merged(), after=self.engine.serving_version), wanted)
+            ),
+            asyncio.create_task(feed(from_requests(), wanted)),
+        ]
+        try:
+            while True:
+                version = await wanted.get()
+                while not wanted.empty():  # skip to the newest asked for
+                    version = max(version, wanted.get_nowait())
+                await self.update_to(version)
+        finally:
+            for task in feeders:
+                task.cancel()
