@@ -8,7 +8,7 @@ ETUDE  := $(VENV)/bin/etude
 CONFIG ?= configs/local.toml
 STAMP  := $(VENV)/.etude-setup
 
-.PHONY: help setup run test lint proto bench chart clean
+.PHONY: help setup run test lint proto bench chart images clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml tools/setup.sh
 run: setup ## start Redis, the object store and the five services (configs/local.toml)
 	$(ETUDE) run --config $(CONFIG)
 
-test: setup lint ## lint, stub drift check, then the whole test suite
+test: setup lint chart ## lint, stub drift check, chart check, then the whole test suite
 	$(PY) -m pytest -q
 
 lint: setup ## ruff, mypy, generated-stub drift check
@@ -37,9 +37,13 @@ proto: setup ## regenerate services/api/v1 from proto/
 bench: setup ## run every benchmark (etude bench <name> --json)
 	$(ETUDE) bench all --json
 
-chart: ## render + lint + validate the Helm chart
-	@if [ ! -d deploy/helm/etude ]; then \
-	  echo "deploy/helm/etude does not exist yet: the chart is its own issue ([helm])." >&2; exit 1; fi
+chart: setup ## render + lint + validate the Helm chart
+	$(PY) tools/chart_check.py
+
+images: ## build the five service images (docker; REGISTRY=... TAG=... to name them)
+	for svc in reconciler envs inference trainer evals; do \
+	  docker build -f services/$$svc/Dockerfile -t $(or $(REGISTRY),etude)/etude-$$svc:$(or $(TAG),dev) . || exit 1; \
+	done
 
 clean: ## remove the venv and local run state
 	rm -rf $(VENV) .etude .mypy_cache .ruff_cache .pytest_cache
