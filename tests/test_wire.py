@@ -3,6 +3,7 @@ trace propagation across two real aio servers (in-memory span exporter)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -74,6 +75,16 @@ async def faulty() -> AsyncIterator[str]:
     await server.stop(0)
 
 
+async def _counted(method: str, code: str, expected: float) -> float:
+    """The counter once it reaches `expected` (the server counts just after answering)."""
+    for _ in range(200):
+        value = _counter(method, code)
+        if value >= expected:
+            return value
+        await asyncio.sleep(0.01)
+    return _counter(method, code)
+
+
 def _counter(method: str, code: str) -> float:
     value = REGISTRY.get_sample_value(
         "grpc_server_handled_total",
@@ -107,7 +118,10 @@ async def test_service_errors_map_to_status_codes(faulty: str) -> None:
     )
     assert internal.value.code() == grpc.StatusCode.INTERNAL
     assert "a bug" not in internal.value.details()  # internals stay in the server log
-    after = _counter("SaveCheckpoint", "INVALID_ARGUMENT"), _counter("ListCheckpoints", "INTERNAL")
+    after = (
+        await _counted("SaveCheckpoint", "INVALID_ARGUMENT", before[0] + 1),
+        await _counted("ListCheckpoints", "INTERNAL", before[1] + 1),
+    )
     assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
 
 
@@ -120,7 +134,7 @@ async def test_auth_rejects_before_the_servicer_runs(faulty: str) -> None:
             )
     assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert denied.value.details() == "invalid bearer token"
-    assert _counter("SaveCheckpoint", "UNAUTHENTICATED") - before == 1
+    assert await _counted("SaveCheckpoint", "UNAUTHENTICATED", before + 1) - before == 1
 
 
 async def test_server_refuses_to_start_without_a_token() -> None:
