@@ -190,14 +190,12 @@ def test_malformed_request_names_the_field(deployment: Deployment, service: str)
 
 def test_unbuilt_methods_say_so(deployment: Deployment) -> None:
     """A valid request to a method this release does not do answers UNIMPLEMENTED, no fake data."""
-    with grpc.insecure_channel(deployment.target("trainer")) as channel:
-        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+    with grpc.insecure_channel(deployment.target("evals")) as channel:
+        stub = evals_pb2_grpc.EvalsServiceStub(channel)
         with pytest.raises(grpc.RpcError) as answer:
-            stub.SaveCheckpoint(
-                trainer_pb2.SaveCheckpointRequest(tag="step-1"), metadata=AUTH, timeout=10
-            )
+            stub.ListSuites(evals_pb2.ListSuitesRequest(), metadata=AUTH, timeout=10)
     assert answer.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "SaveCheckpoint" in answer.value.details()
+    assert "ListSuites" in answer.value.details()
 
 
 def _spans(path: Path) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "inference": "services.bench.inference:run",
     "quant": "services.bench.quant:run",
     "reconciler": "services.bench.reconciler:run",
+    "replay": "services.bench.replay:run",
     "weight-sync": "services.bench.weight_sync:run",
 }
 

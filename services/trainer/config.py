@@ -1,10 +1,197 @@
-"""Settings of the trainer service."""
+"""Settings of the trainer service and of the training job it runs (pydantic only).
+
+Without ``[trainer.job]`` the service only answers status and lists checkpoints. With
+it, the service trains: ``phase = "cpt"`` or ``"sft"`` on a token stream
+(``[trainer.job.data]``), or ``phase = "rl"`` on the groups the reconciler hands out
+(``[trainer.job.rl]``). See docs/trainer.md.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+from typing import Literal
 
-from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig
+from pydantic import Field, model_validator
+
+from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig, StrictModel
+
+
+class ModelSettings(StrictModel):
+    """The model a job starts from and how it computes."""
+
+    model_dir: Path | None = Field(
+        None,
+        description="HF model directory to start from; unset means inference.engine.model_dir "
+        "(the model inference serves).",
+    )
+    compute_dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="Activation dtype; weights stay float32 master copies."
+    )
+    # The fields of services.trainer.precision.PrecisionConfig the job sets; importing that
+    # package here would import torch into every service's config parsing.
+    experts_precision: Literal["bf16", "nvfp4_fwd_mxfp8_bwd", "fp32"] = Field(
+        "bf16",
+        description="Recipe of the expert GEMMs: 'bf16', 'nvfp4_fwd_mxfp8_bwd' (the report's "
+        "NVFP4-variant forward, MXFP8 backward) or 'fp32'.",
+    )
+    experts_backend: Literal["auto", "emulated", "blackwell"] = Field(
+        "auto", description="Kernel backend of the quantized recipe (see docs/precision.md)."
+    )
+    num_mtp_heads: int = Field(
+        0, ge=0, le=4, description="Multi-token-prediction heads trained by self-distillation."
+    )
+    mtp_loss_coef: float = Field(0.1, ge=0, description="Weight of the MTP distillation loss.")
+
+
+class ReplayConfig(StrictModel):
+    """Router replay: route each token to the experts inference used."""
+
+    mode: Literal["when_present", "required", "off"] = Field(
+        "when_present",
+        description="'when_present' replays rollouts that carry routed experts and routes the "
+        "others with the router (counted); 'required' skips rollouts without them; 'off' "
+        "never replays.",
+    )
+    min_prob_ratio: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Plausibility filter: a replayed expert whose router probability is below "
+        "this fraction of the router's k-th largest probability is replaced.",
+    )
+
+
+class OptimizerConfig(StrictModel):
+    """AdamW, or Muon for 2-D hidden matrices with AdamW for the rest."""
+
+    name: Literal["adamw", "muon"] = Field("adamw", description="Optimizer family.")
+    lr: float = Field(1e-6, gt=0, le=1, description="AdamW learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (both optimizers).")
+    muon_lr: float = Field(0.02, gt=0, le=1, description="Muon learning rate (name = 'muon').")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon momentum.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in steps.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables it.")
+
+    @model_validator(mode="after")
+    def _betas(self) -> OptimizerConfig:
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"betas must each be in [0, 1), got {self.betas}")
+        return self
+
+
+class RLConfig(StrictModel):
+    """The RL step: Dr. GRPO with k1 KL and truncated importance sampling."""
+
+    consumer_id: str = Field(
+        "trainer", pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$", description="PullBatch consumer."
+    )
+    groups_per_step: int = Field(8, ge=1, le=4096, description="Groups pulled per step.")
+    pull_wait_s: float = Field(
+        5.0,
+        ge=0,
+        le=600,
+        description="PullBatch waits this long for a full batch, then takes what is ready.",
+    )
+    generation_budget_tokens: int = Field(
+        8192,
+        ge=1,
+        description="Dr. GRPO's constant: per-rollout token sums are divided by this, never by "
+        "the rollout's own length.",
+    )
+    importance_cap: float = Field(
+        2.0,
+        ge=1,
+        description="c in the truncated importance ratio min(pi_theta / pi_behaviour, c).",
+    )
+    kl_coef: float = Field(
+        0.001, ge=0, description="Weight of the per-token k1 KL penalty; 0 skips the reference."
+    )
+    reference_refresh_steps: int = Field(
+        0, ge=0, description="Copy the policy into the reference every this many steps; 0 never."
+    )
+    microbatch_tokens: int = Field(
+        16_384, ge=16, description="Tokens per forward/backward; a step accumulates microbatches."
+    )
+
+
+class DataConfig(StrictModel):
+    """Training data of the cpt and sft phases."""
+
+    kind: Literal["corpus", "jsonl"] = Field(
+        "corpus",
+        description="'corpus': the model factory's generated code corpus (cpt). 'jsonl': one "
+        "JSON object per line, {'text': ...} (cpt) or {'prompt': ..., 'completion': ...} (sft).",
+    )
+    path: Path | None = Field(None, description="The JSON-lines file (kind = 'jsonl').")
+    seed: int = Field(0, ge=0, description="Corpus seed (kind = 'corpus').")
+    tokens_per_step: int = Field(
+        4096, ge=16, description="Tokens (with padding-free packing) per step."
+    )
+    max_seq_len: int = Field(512, ge=8, description="Longer examples are truncated to this.")
+
+    @model_validator(mode="after")
+    def _path_for_jsonl(self) -> DataConfig:
+        if self.kind == "jsonl" and self.path is None:
+            raise ValueError("data.kind = 'jsonl' needs data.path (got path = None)")
+        if self.max_seq_len > self.tokens_per_step:
+            raise ValueError(
+                f"data.max_seq_len ({self.max_seq_len}) must not exceed data.tokens_per_step "
+                f"({self.tokens_per_step})"
+            )
+        return self
+
+
+class CheckpointConfig(StrictModel):
+    """When the job writes checkpoints (torch.distributed.checkpoint)."""
+
+    interval_steps: int = Field(
+        1,
+        ge=0,
+        description="Checkpoint every this many steps; 0 only on request and at the end. RL "
+        "commits pulled groups to the reconciler only after they are in a checkpoint.",
+    )
+    keep_last: int = Field(3, ge=1, description="Periodic checkpoints kept (tagged ones stay).")
+
+
+class JobConfig(StrictModel):
+    """A training job the service runs from start-up."""
+
+    phase: Literal["cpt", "sft", "rl"] = Field(description="What to train.")
+    model: ModelSettings = Field(default_factory=ModelSettings, description="Model.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
+    replay: ReplayConfig = Field(default_factory=ReplayConfig, description="Router replay.")
+    rl: RLConfig = Field(default_factory=RLConfig, description="RL step (phase = 'rl').")
+    data: DataConfig | None = Field(None, description="Data (phase = 'cpt' or 'sft').")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoints."
+    )
+    max_steps: int = Field(
+        0, ge=0, description="Stop after this many steps; 0 runs until the data ends or SIGTERM."
+    )
+    publish_interval_steps: int = Field(
+        1, ge=0, description="Publish a policy version every this many steps; 0 never."
+    )
+    export_dir: Path | None = Field(
+        None, description="When the job ends, write the model here as an HF model directory."
+    )
+    metrics_file: Path | None = Field(
+        None, description="Append each step's metrics here as one JSON line."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the torch and Python RNGs.")
+    num_threads: int = Field(0, ge=0, le=1024, description="torch threads; 0 keeps torch's choice.")
+
+    @model_validator(mode="after")
+    def _data_for_phase(self) -> JobConfig:
+        if self.phase in ("cpt", "sft") and self.data is None:
+            raise ValueError(f"phase = {self.phase!r} needs [trainer.job.data] (got data = None)")
+        if self.phase == "sft" and self.data is not None and self.data.kind != "jsonl":
+            raise ValueError(
+                f"phase = 'sft' trains on (prompt, completion) pairs: data.kind must be 'jsonl', "
+                f"got {self.data.kind!r}"
+            )
+        return self
 
 
 class TrainerConfig(ServiceConfig):
@@ -15,4 +202,10 @@ class TrainerConfig(ServiceConfig):
     )
     http: HttpServerConfig = Field(
         default_factory=lambda: HttpServerConfig(port=9104), description="HTTP listener."
+    )
+    checkpoint_dir: Path | None = Field(
+        None, description="Where checkpoints live; unset is <run.state_dir>/checkpoints/<run.name>."
+    )
+    job: JobConfig | None = Field(
+        None, description="The training job; unset, the trainer only answers status."
     )

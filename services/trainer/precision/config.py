@@ -8,17 +8,18 @@ from pydantic import Field
 
 from services.config import StrictModel
 
-Precision = Literal["bf16", "nvfp4_fwd_mxfp8_bwd"]
+Precision = Literal["bf16", "nvfp4_fwd_mxfp8_bwd", "fp32"]
 
 
 class PrecisionConfig(StrictModel):
-    """How the MoE expert GEMMs compute: plain bf16, or NVFP4-variant forward / MXFP8 backward."""
+    """How the MoE expert GEMMs compute: bf16, NVFP4-variant forward / MXFP8 backward, or fp32."""
 
     precision: Precision = Field(
         "bf16",
         description=(
             "'bf16': bf16 GEMMs. 'nvfp4_fwd_mxfp8_bwd': forward with row-scaled NVFP4 "
-            "activations and weights, dgrad and wgrad with MXFP8 operands."
+            "activations and weights, dgrad and wgrad with MXFP8 operands. 'fp32': float32 "
+            "GEMMs (reference runs and parity checks against other implementations)."
         ),
     )
     mxfp8_scale_rule: Literal["rceil", "floor"] = Field(

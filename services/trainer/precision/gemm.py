@@ -1,8 +1,8 @@
 """The expert grouped GEMM, ``y[g] = x[g] @ weight[e].T`` for the tokens ``g`` of each expert.
 
-Tokens arrive sorted by expert (``group_sizes[e]`` consecutive rows each). Two recipes:
+Tokens arrive sorted by expert (``group_sizes[e]`` consecutive rows each). The recipes:
 
-  * ``"bf16"``: bf16 GEMMs, ordinary autograd.
+  * ``"bf16"``: bf16 GEMMs, ordinary autograd (``"fp32"``: the same in float32).
   * ``"nvfp4_fwd_mxfp8_bwd"`` (the report's asymmetric recipe):
       forward  ``y  = Q4(x) @ Q4(W).T``                    reduction over K
       dgrad    ``dx = Q8(dy) @ Q8(W.T).T``                  reduction over N
@@ -110,9 +110,11 @@ class _NVFP4ForwardMXFP8Backward(torch.autograd.Function):
         return grad_x, grad_weight, None, None, None
 
 
-def _bf16_grouped_gemm(x: torch.Tensor, weight: torch.Tensor, bounds: Bounds) -> torch.Tensor:
+def _plain_grouped_gemm(
+    x: torch.Tensor, weight: torch.Tensor, bounds: Bounds, dtype: torch.dtype
+) -> torch.Tensor:
     outputs = [
-        x[start:end].to(torch.bfloat16) @ weight[expert].to(torch.bfloat16).T
+        x[start:end].to(dtype) @ weight[expert].to(dtype).T
         for expert, (start, end) in enumerate(bounds)
     ]
     return torch.cat(outputs).to(x.dtype)
@@ -137,7 +139,9 @@ def grouped_gemm(
         )
     bounds = group_bounds(group_sizes, x.shape[0], weight.shape[0])
     if config.precision == "bf16":
-        return _bf16_grouped_gemm(x, weight, bounds)
+        return _plain_grouped_gemm(x, weight, bounds, torch.bfloat16)
+    if config.precision == "fp32":
+        return _plain_grouped_gemm(x, weight, bounds, torch.float32)
     num_out, num_in = weight.shape[1], weight.shape[2]
     if num_in % NVFP4_BLOCK_SIZE or num_out % MXFP8_BLOCK_SIZE:
         raise ValueError(

@@ -46,7 +46,9 @@ class MoEExperts(nn.Module):
             if isinstance(precision, PrecisionConfig)
             else PrecisionConfig(precision=precision)
         )
-        if config.precision != "bf16" and (d_model % MXFP8_BLOCK_SIZE or d_ff % MXFP8_BLOCK_SIZE):
+        if config.precision == "nvfp4_fwd_mxfp8_bwd" and (
+            d_model % MXFP8_BLOCK_SIZE or d_ff % MXFP8_BLOCK_SIZE
+        ):
             raise ValueError(
                 f"precision {config.precision!r} needs d_model and d_ff divisible by "
                 f"{MXFP8_BLOCK_SIZE} (quantization blocks), got d_model={d_model}, d_ff={d_ff}"

@@ -1,0 +1,246 @@
+"""`etude bench replay`: how far router replay closes the train/inference logprob gap.
+
+A tiny factory model is served by a real inference service process (vLLM, bf16) with
+routed-expert capture on; it samples completions of code prompts and returns, per
+generated token, its logprob and, per input token and MoE layer, the experts it was
+routed to. The trainer's model (bf16, the same checkpoint) then recomputes the
+logprobs of the generated tokens twice, in the same run: routing with its own router
+(the baseline) and replaying inference's routes. Figures:
+
+* ``mismatch_without_replay``, ``mismatch_with_replay``: mean |trainer logp - vLLM logp|
+  over generated tokens;
+* ``mismatch_ratio`` = without / with (target >= 5: replay removes most of the gap);
+* the same gap's 99th percentile and maximum, with and without replay: a flipped route
+  shows in the tail long before it moves the mean;
+* ``replacement_rate``: the plausibility filter's replaced fraction of replayed choices;
+* ``route_agreement_without_replay``: fraction of (token, layer) where the trainer's own
+  router picked the experts inference used;
+* ``bf16_noise_floor``: mean |trainer bf16 - trainer fp32| on the same tokens, both
+  replaying inference's routes: the part of the gap that is bf16 rounding, which no
+  routing can remove. The ratio can only be large where routing flips dominate it.
+
+``ETUDE_BENCH_REPLAY_MODEL_DIR`` names a model directory to serve instead of a fresh
+factory ``tiny`` model (e.g. one trained for a while, whose routing matters more).
+
+Nothing here is made up by the trainer: without capture on the replica, the benchmark
+fails and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.bench import BenchResult
+from services.launcher.processes import ManagedProcess
+from services.wire.client import make_channel
+from services.wire.ports import free_port
+
+TARGET_RATIO = 5.0
+
+
+def _config(path: Path, model_dir: Path, grpc_port: int, http_port: int, max_len: int) -> None:
+    path.write_text(
+        '[run]\nname = "bench-replay"\n'
+        f'[object_store]\nurl = "file://{path.parent / "store"}"\n'
+        f'[endpoints]\ninference = "127.0.0.1:{grpc_port}"\n'
+        f'[inference]\ngrpc = {{ host = "127.0.0.1", port = {grpc_port} }}\n'
+        f'http = {{ host = "127.0.0.1", port = {http_port} }}\n'
+        f'[inference.engine]\nmodel_dir = "{model_dir}"\nmax_model_len = {max_len}\n'
+        "max_num_seqs = 16\ncpu_kv_cache_gib = 0.25\ncapture_routed_experts = true\n"
+    )
+
+
+def _wait_ready(target: str, process: ManagedProcess, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.returncode() is not None:
+                raise RuntimeError(
+                    f"the inference service exited: {process.log_path.read_text()[-3000:]}"
+                )
+            try:
+                answer = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise RuntimeError(f"the inference service was not ready after {timeout_s:.0f} s")
+
+
+def _routes(message: common_pb2.RoutedExperts) -> torch.Tensor:
+    dtype = {
+        common_pb2.INDEX_DTYPE_UINT8: "<u1",
+        common_pb2.INDEX_DTYPE_INT16: "<i2",
+        common_pb2.INDEX_DTYPE_INT32: "<i4",
+    }[message.dtype]
+    table = np.frombuffer(message.data, dtype=dtype).reshape(tuple(message.shape))
+    return torch.from_numpy(table.astype(np.int64))
+
+
+async def _generate(
+    target: str, token: str, prompts: list[list[int]], max_tokens: int
+) -> list[dict[str, Any]]:
+    async with make_channel(target, token=token, default_timeout_s=300) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+
+        async def one(index: int, prompt: list[int]) -> dict[str, Any]:
+            request = inference_pb2.GenerateRequest(
+                prompt_token_ids=prompt,
+                sampling=inference_pb2.SamplingParams(
+                    temperature=1.0, max_tokens=max_tokens, seed=index, ignore_eos=True
+                ),
+                return_routed_experts=True,
+            )
+            chunks = [chunk async for chunk in stub.Generate(request)]
+            routed = [c.routed_experts for c in chunks if c.routed_experts.data]
+            if not routed:
+                raise RuntimeError("the inference service returned no routed experts")
+            return {
+                "prompt": prompt,
+                "tokens": [t for c in chunks for t in c.token_ids],
+                "logprobs": [lp for c in chunks for lp in c.logprobs],
+                "routes": _routes(routed[-1]),
+            }
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+def collect(quick: bool, workdir: Path) -> tuple[Path, list[dict[str, Any]]]:
+    """Makes the tiny model, serves it, samples; returns the model and the samples."""
+    from tokenizers import Tokenizer
+
+    from services.model_factory.build import init_model
+    from services.model_factory.corpus import documents
+
+    chosen = os.environ.get("ETUDE_BENCH_REPLAY_MODEL_DIR")
+    model_dir = Path(chosen) if chosen else workdir / "tiny"
+    if not chosen:
+        init_model("tiny", model_dir, seed=0)
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    num_prompts, max_tokens = (8, 24) if quick else (32, 48)
+    prompts = [
+        tokenizer.encode(document).ids[:24]
+        for document, _ in zip(documents(1), range(num_prompts), strict=False)
+    ]
+    grpc_port, http_port = free_port(), free_port()
+    config = workdir / "config.toml"
+    _config(config, model_dir, grpc_port, http_port, 256)
+    token = secrets.token_hex(16)
+    process = ManagedProcess(
+        "inference",
+        [sys.executable, "-m", "services.inference", "--config", str(config)],
+        workdir / "inference.log",
+        env={"ETUDE_AUTH__TOKEN": token, "PYTHONUNBUFFERED": "1"},
+    )
+    process.start()
+    try:
+        target = f"127.0.0.1:{grpc_port}"
+        _wait_ready(target, process, 600)
+        samples = asyncio.run(_generate(target, token, prompts, max_tokens))
+    finally:
+        process.stop(30)
+    return model_dir, samples
+
+
+def measure(model_dir: Path, samples: list[dict[str, Any]]) -> dict[str, float]:
+    """The trainer's bf16 logprobs of the sampled tokens, with and without replay."""
+    from services.trainer.model import PackedInputs, load_pretrained, token_logprobs
+
+    model = load_pretrained(model_dir, dtype=torch.bfloat16)
+    exact = load_pretrained(model_dir, dtype=torch.float32)
+    arch = model.arch
+    sequences = [s["prompt"] + s["tokens"] for s in samples]
+    for sample, sequence in zip(samples, sequences, strict=True):
+        if sample["routes"].shape != (len(sequence) - 1, arch.num_layers, arch.top_k):
+            raise RuntimeError(
+                f"routed experts of shape {tuple(sample['routes'].shape)} for "
+                f"{len(sequence) - 1} input tokens"
+            )
+    free = PackedInputs.pack([s[:-1] for s in sequences])
+    replayed = PackedInputs.pack(
+        [s[:-1] for s in sequences],
+        [s["routes"] for s in samples],
+        num_layers=arch.num_layers,
+        top_k=arch.top_k,
+    )
+    rows = torch.cat(
+        [
+            torch.arange(start + len(s["prompt"]) - 1, end)
+            for s, start, end in zip(samples, free.cu_seqlens, free.cu_seqlens[1:], strict=False)
+        ]
+    )
+    targets = torch.tensor([t for s in samples for t in s["tokens"]])
+    reference = torch.tensor([lp for s in samples for lp in s["logprobs"]])
+    with torch.no_grad():
+        own = model(free)
+        own_logprobs, _ = token_logprobs(model, own.hidden[rows], targets)
+        with_replay = model(replayed)
+        replay_logprobs, _ = token_logprobs(model, with_replay.hidden[rows], targets)
+        exact_logprobs, _ = token_logprobs(exact, exact(replayed).hidden[rows], targets)
+    inference_routes = torch.cat([s["routes"] for s in samples])
+    agreement = (
+        (own.experts.sort(-1).values == inference_routes.sort(-1).values).all(-1).float().mean()
+    )
+    choices = with_replay.num_replayed * arch.num_layers * arch.top_k
+    without, with_ = (own_logprobs - reference).abs(), (replay_logprobs - reference).abs()
+    return {
+        "mismatch_without_replay": float(without.mean()),
+        "mismatch_with_replay": float(with_.mean()),
+        "mismatch_p99_without_replay": float(without.quantile(0.99)),
+        "mismatch_p99_with_replay": float(with_.quantile(0.99)),
+        "mismatch_max_without_replay": float(without.max()),
+        "mismatch_max_with_replay": float(with_.max()),
+        "replacement_rate": sum(with_replay.num_replaced) / max(choices, 1),
+        "route_agreement_without_replay": float(agreement),
+        "bf16_noise_floor": float((replay_logprobs - exact_logprobs).abs().mean()),
+        "generated_tokens": float(targets.numel()),
+    }
+
+
+def result(figures: dict[str, float], quick: bool) -> BenchResult:
+    """The benchmark's answer for measured ``figures`` (adds the ratio)."""
+    ratio = figures["mismatch_without_replay"] / max(figures["mismatch_with_replay"], 1e-12)
+    figures = {**figures, "mismatch_ratio": ratio}
+    return BenchResult(
+        figures=figures,
+        baseline={"mismatch_without_replay": figures["mismatch_without_replay"]},
+        ok=ratio >= TARGET_RATIO,
+        target=f"mismatch_ratio >= {TARGET_RATIO:g} (tiny model, bf16)",
+        details={
+            "model": os.environ.get("ETUDE_BENCH_REPLAY_MODEL_DIR", "factory tiny (seed 0)"),
+            "mode": "quick" if quick else "full",
+        },
+    )
+
+
+def run(quick: bool) -> BenchResult:
+    """Measures replay's effect on the tiny model; ok when the ratio meets the target."""
+    with tempfile.TemporaryDirectory(prefix="etude-bench-replay-") as tmp:
+        try:
+            model_dir, samples = collect(quick, Path(tmp))
+        except (RuntimeError, grpc.RpcError) as error:
+            detail = error.details() if isinstance(error, grpc.RpcError) else str(error)
+            return BenchResult(
+                figures={},
+                baseline={},
+                ok=False,
+                target=f"mismatch_ratio >= {TARGET_RATIO:g}",
+                details={"blocked": f"no routed experts from inference: {detail}"},
+            )
+        return result(measure(model_dir, samples), quick)

@@ -1,0 +1,183 @@
+"""Group-relative advantages and the packed RL batch.
+
+Dr. GRPO: a rollout's advantage is its reward minus the mean reward of its group, with
+no division by the group's standard deviation; every trained token of every segment of
+the rollout (self-summaries included) gets it. A group with fewer than two completed
+rollouts has no baseline (K = 1 gives a zero advantage): it is skipped and counted.
+
+Sequences (one per segment) are packed into a flat token stream and cut into
+microbatches of at most ``microbatch_tokens`` tokens (a sequence is never split); the
+loss is normalized by one constant for the whole step, so accumulating microbatch
+gradients gives exactly the gradient of the full batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.api.v1 import common_pb2, reconciler_pb2
+from services.objectstore.base import ObjectStore
+from services.trainer.model.architecture import Architecture
+from services.trainer.model.transformer import PackedInputs
+from services.trainer.rollouts import (
+    Rollout,
+    RolloutError,
+    SegmentTokens,
+    fetch_record,
+    parse_record,
+)
+
+log = logging.getLogger(__name__)
+
+
+def dr_grpo_advantages(rewards: Sequence[float]) -> list[float]:
+    """``r_i - mean(r)``: no std division (Dr. GRPO)."""
+    if not rewards:
+        return []
+    mean = sum(rewards) / len(rewards)
+    return [reward - mean for reward in rewards]
+
+
+@dataclass
+class PulledGroup:
+    """One group as pulled: its reconciler record and each completed rollout, parsed or not."""
+
+    group_id: str
+    weight: float
+    summaries: list[common_pb2.RolloutSummary]
+    rollouts: list[Rollout | RolloutError]
+
+
+@dataclass
+class Microbatch:
+    """Packed sequences and per-token training data, ``[T]`` each."""
+
+    inputs: PackedInputs
+    targets: torch.Tensor
+    trained: torch.Tensor  # bool
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    weights: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the stream."""
+        return int(self.targets.shape[0])
+
+
+@dataclass
+class RLBatch:
+    """What one RL step trains on, and what was left out and why."""
+
+    microbatches: list[Microbatch]
+    num_rollouts: int
+    rewards: list[common_pb2.RewardParts]
+    advantages: list[float]
+    group_weights: list[float]
+    skipped: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def num_trained_tokens(self) -> int:
+        """Tokens whose loss is taken."""
+        return sum(int(mb.trained.sum()) for mb in self.microbatches)
+
+
+def load_groups(
+    store: ObjectStore,
+    groups: Sequence[reconciler_pb2.Group],
+    arch: Architecture,
+    replay_mode: str,
+) -> list[PulledGroup]:
+    """Each pulled group with its rollout records fetched and checked (or the reason not)."""
+    pulled = []
+    for group in groups:
+        summaries = sorted(group.rollouts, key=lambda s: s.sample_index)
+        rollouts: list[Rollout | RolloutError] = []
+        for summary in summaries:
+            try:
+                record = fetch_record(store, summary.record)
+                rollouts.append(
+                    parse_record(record, summary.reward.total, arch, replay_mode=replay_mode)
+                )
+            except RolloutError as error:
+                log.warning("rollout %s skipped: %s", summary.rollout_id, error)
+                rollouts.append(error)
+        # Weight 0 means a reconciler that does not set it: full weight.
+        pulled.append(PulledGroup(group.group_id, group.weight or 1.0, summaries, rollouts))
+    return pulled
+
+
+def _pack(
+    items: list[tuple[SegmentTokens, float, float]], num_layers: int, top_k: int
+) -> Microbatch:
+    segments = [segment for segment, _, _ in items]
+    inputs = PackedInputs.pack(
+        [s.input_ids for s in segments],
+        [s.replay for s in segments],
+        num_layers=num_layers,
+        top_k=top_k,
+    )
+
+    def per_token(values: list[float]) -> torch.Tensor:
+        """One value per sequence, repeated over its tokens."""
+        counts = torch.tensor([len(s.targets) for s in segments])
+        return torch.tensor(values, dtype=torch.float32).repeat_interleave(counts)
+
+    return Microbatch(
+        inputs=inputs,
+        targets=torch.tensor([t for s in segments for t in s.targets], dtype=torch.long),
+        trained=torch.tensor([t for s in segments for t in s.trained], dtype=torch.bool),
+        behaviour_logprobs=torch.tensor(
+            [lp for s in segments for lp in s.behaviour_logprobs], dtype=torch.float32
+        ),
+        advantages=per_token([advantage for _, advantage, _ in items]),
+        weights=per_token([weight for _, _, weight in items]),
+    )
+
+
+def build_rl_batch(
+    groups: Sequence[PulledGroup], *, microbatch_tokens: int, num_layers: int, top_k: int
+) -> RLBatch:
+    """Advantages per group, then the trainable segments packed into microbatches."""
+    skipped: Counter[str] = Counter()
+    items: list[tuple[SegmentTokens, float, float]] = []
+    rewards: list[common_pb2.RewardParts] = []
+    advantages: list[float] = []
+    weights: list[float] = []
+    num_rollouts = 0
+    for group in groups:
+        if len(group.summaries) < 2:
+            skipped["group_single_sample"] += 1
+            continue
+        # The baseline uses every completed rollout's reward, even one whose record cannot be
+        # trained on: its reward is as valid as the others'.
+        group_advantages = dr_grpo_advantages([s.reward.total for s in group.summaries])
+        for summary, rollout, advantage in zip(
+            group.summaries, group.rollouts, group_advantages, strict=True
+        ):
+            rewards.append(summary.reward)
+            if isinstance(rollout, RolloutError):
+                skipped[f"rollout_{rollout.reason}"] += 1
+                continue
+            num_rollouts += 1
+            advantages.append(advantage)
+            weights.append(group.weight)
+            items.extend((segment, advantage, group.weight) for segment in rollout.segments)
+    microbatches: list[Microbatch] = []
+    current: list[tuple[SegmentTokens, float, float]] = []
+    size = 0
+    for item in items:
+        length = len(item[0].input_ids)
+        if current and size + length > microbatch_tokens:
+            microbatches.append(_pack(current, num_layers, top_k))
+            current, size = [], 0
+        current.append(item)
+        size += length
+    if current:
+        microbatches.append(_pack(current, num_layers, top_k))
+    return RLBatch(microbatches, num_rollouts, rewards, advantages, weights, skipped)

@@ -1,0 +1,186 @@
+"""Loading and saving the trainer's model in the HF safetensors layout vLLM serves.
+
+The state dict of ``Qwen3MoE`` has the HF names except for the experts: one fused
+``mlp.experts.gate_up [E, 2F, D]`` (gate rows first, as transformers fuses them) and
+``mlp.experts.down [E, D, F]`` per layer, where the checkpoint has
+``mlp.experts.<e>.{gate,up,down}_proj.weight``. ``to_hf`` and ``from_hf`` translate;
+both layouts of transformers' checkpoints (per-expert, or fused ``gate_up_proj``) load.
+What the trainer publishes and saves is ``to_hf`` in bf16: exactly the weights
+inference serves.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.trainer.model.architecture import Architecture
+from services.trainer.model.mtp import MTPHead
+from services.trainer.model.transformer import Qwen3MoE
+from services.trainer.precision import PrecisionConfig
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "mtp.safetensors")
+MTP_FILE = "mtp.safetensors"
+MODEL_CARD = "etude_model.json"
+
+
+def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a (possibly sharded) HF safetensors checkpoint."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{model_dir} holds no model.safetensors (or its index)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(model_dir / name))
+    return tensors
+
+
+def from_hf(tensors: dict[str, torch.Tensor], arch: Architecture) -> dict[str, torch.Tensor]:
+    """HF checkpoint tensors -> the trainer's state dict (float32)."""
+    remaining = dict(tensors)
+    state: dict[str, torch.Tensor] = {}
+    for layer in range(arch.num_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        if f"{prefix}.gate_up_proj" in remaining:
+            state[f"{prefix}.gate_up"] = remaining.pop(f"{prefix}.gate_up_proj")
+            state[f"{prefix}.down"] = remaining.pop(f"{prefix}.down_proj")
+            continue
+        try:
+            gate_up, down = [], []
+            for expert in range(arch.num_experts):
+                key = f"{prefix}.{expert}"
+                gate_up.append(
+                    torch.cat(
+                        [
+                            remaining.pop(f"{key}.gate_proj.weight"),
+                            remaining.pop(f"{key}.up_proj.weight"),
+                        ]
+                    )
+                )
+                down.append(remaining.pop(f"{key}.down_proj.weight"))
+        except KeyError as error:
+            raise ValueError(f"checkpoint lacks expert weight {error.args[0]}") from None
+        state[f"{prefix}.gate_up"] = torch.stack(gate_up)
+        state[f"{prefix}.down"] = torch.stack(down)
+    state.update(remaining)
+    return {name: tensor.float() for name, tensor in state.items()}
+
+
+def to_hf(model: Qwen3MoE, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The model's weights under HF names, per-expert, cast to ``dtype`` (detached copies)."""
+    arch = model.arch
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in model.state_dict().items():
+        if name.startswith("mtp."):
+            continue  # not part of the served model; saved beside it
+        if name.endswith(".mlp.experts.gate_up"):
+            prefix = name.removesuffix(".gate_up")
+            gate, up = param.detach().split(arch.moe_intermediate_size, dim=1)
+            for expert in range(arch.num_experts):
+                tensors[f"{prefix}.{expert}.gate_proj.weight"] = gate[expert].to(dtype).clone()
+                tensors[f"{prefix}.{expert}.up_proj.weight"] = up[expert].to(dtype).clone()
+        elif name.endswith(".mlp.experts.down"):
+            prefix = name.removesuffix(".down")
+            for expert in range(arch.num_experts):
+                tensors[f"{prefix}.{expert}.down_proj.weight"] = param[expert].to(dtype).clone()
+        else:
+            tensors[name] = param.detach().to(dtype).clone()
+    return tensors
+
+
+def _read_mtp(model_dir: Path) -> dict[str, torch.Tensor]:
+    path = model_dir / MTP_FILE
+    return dict(load_file(path)) if path.is_file() else {}
+
+
+def load_pretrained(
+    model_dir: Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    experts_precision: PrecisionConfig | None = None,
+    replay_min_prob_ratio: float = 0.1,
+    num_mtp_heads: int = 0,
+    seed: int = 0,
+) -> Qwen3MoE:
+    """A ``Qwen3MoE`` with the weights of an HF model directory (float32 master weights).
+
+    MTP heads load from ``mtp.safetensors`` when it has them; missing ones start fresh
+    from ``seed``.
+    """
+    arch = Architecture.from_model_dir(model_dir)
+    # Built on the meta device: random initialization of large expert tensors is wasted work.
+    with torch.device("meta"):
+        model = Qwen3MoE(
+            arch,
+            dtype=dtype,
+            experts_precision=experts_precision,
+            replay_min_prob_ratio=replay_min_prob_ratio,
+            num_mtp_heads=num_mtp_heads,
+        )
+    model.to_empty(device="cpu")
+    state = from_hf(read_safetensors(model_dir), arch)
+    generator = torch.Generator().manual_seed(seed)
+    for head in model.mtp:
+        assert isinstance(head, MTPHead)
+        head.reset_parameters(generator)
+    fresh = {n: t for n, t in model.state_dict().items() if n.startswith("mtp.")}
+    saved = {n: t.float() for n, t in _read_mtp(Path(model_dir)).items()}
+    # Heads present in mtp.safetensors load; the rest keep their fresh weights, and heads
+    # the file has beyond num_mtp_heads are left out.
+    state.update({name: saved.get(name, tensor) for name, tensor in fresh.items()})
+    expected = set(model.state_dict())
+    unknown, missing = sorted(set(state) - expected), sorted(expected - set(state))
+    if unknown or missing:
+        raise ValueError(
+            f"checkpoint {model_dir} does not match the architecture: unknown tensors "
+            f"{unknown[:5]}, missing tensors {missing[:5]}"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(model.state_dict()[name].shape):
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
+                f"{tuple(model.state_dict()[name].shape)}"
+            )
+    model.load_state_dict(state)
+    return model
+
+
+def save_pretrained(
+    model: Qwen3MoE, out: Path, *, source_dir: Path, policy_version: int | None = None
+) -> Path:
+    """Writes ``out`` as an HF model directory: ``source_dir``'s config and tokenizer files,
+    the model's bf16 weights, and (when set) ``policy_version`` in the model card.
+
+    The directory appears complete or not at all (written aside, then renamed).
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as staging_dir:
+        staging = Path(staging_dir)
+        for item in Path(source_dir).iterdir():
+            if item.is_file() and item.name not in WEIGHT_FILES:
+                shutil.copy2(item, staging / item.name)
+        save_file(to_hf(model), staging / "model.safetensors", metadata={"format": "pt"})
+        mtp = {n: t.detach().clone() for n, t in model.state_dict().items() if n.startswith("mtp.")}
+        if mtp:
+            save_file(mtp, staging / MTP_FILE, metadata={"format": "pt"})
+        card_path = staging / MODEL_CARD
+        if policy_version is not None and card_path.is_file():
+            card = json.loads(card_path.read_text())
+            card["policy_version"] = policy_version
+            card_path.write_text(json.dumps(card, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.chmod(0o755)
+        staging.rename(out)
+    return out

@@ -1,0 +1,112 @@
+"""Dense building blocks of Qwen3-MoE on a packed token stream: RMSNorm, RoPE, attention.
+
+Tokens of several sequences travel as one flat stream ``[T, ...]`` with ``cu_seqlens``
+(the cumulative sequence boundaries, ``[0, len0, len0 + len1, ...]``) and per-token
+``position_ids`` that restart at 0 for each sequence, as varlen attention kernels take
+them. Parameters are float32 master weights, cast to the compute dtype of the
+activations at each use (what FSDP2's mixed precision does), and every operation
+follows the order and dtypes of transformers' Qwen3-MoE so bf16 results agree with it
+and with vLLM to bf16 resolution.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``; the normalization in float32, the scale in the input dtype."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., width]`` -> same shape and dtype."""
+        dtype = x.dtype
+        hidden = x.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.to(dtype) * hidden.to(dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with the master weight cast to the activations' dtype."""
+    return F.linear(x, weight.to(x.dtype))
+
+
+def rope_tables(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[T, head_dim]``: computed in float32, then cast like HF does."""
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=position_ids.device) / head_dim)
+    )
+    freqs = position_ids.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x [T, heads, head_dim]`` by the tables of its tokens."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention with per-head q/k RMSNorm, within each packed sequence."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cu_seqlens: Sequence[int],
+    ) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; no token attends across a sequence boundary."""
+        num_tokens = x.shape[0]
+        query = self.q_norm(linear(x, self.q_proj.weight).view(num_tokens, -1, self.head_dim))
+        key = self.k_norm(linear(x, self.k_proj.weight).view(num_tokens, -1, self.head_dim))
+        value = linear(x, self.v_proj.weight).view(num_tokens, -1, self.head_dim)
+        cos, sin = rope
+        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+        outputs = []
+        # One causal attention per sequence: linear in the number of sequences and exactly
+        # the computation a varlen (cu_seqlens) kernel does on GPU.
+        for start, end in itertools.pairwise(cu_seqlens):
+            attended = F.scaled_dot_product_attention(
+                query[start:end].transpose(0, 1)[None],
+                key[start:end].transpose(0, 1)[None],
+                value[start:end].transpose(0, 1)[None],
+                is_causal=True,
+                enable_gqa=True,
+            )
+            outputs.append(attended[0].transpose(0, 1))
+        attended_all = torch.cat(outputs).reshape(num_tokens, self.num_heads * self.head_dim)
+        return linear(attended_all, self.o_proj.weight)

@@ -1,0 +1,52 @@
+"""The trainer against a real inference service (vLLM on CPU, routed-expert capture on):
+logprob parity on sampled tokens, and the `etude bench replay` contract (quick run)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.bench.replay import collect, measure, result
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """A fresh tiny model, served by an inference process that sampled 8 x 24 tokens."""
+    return collect(True, tmp_path_factory.mktemp("replay"))
+
+
+@pytest.fixture(scope="module")
+def figures(served: tuple[Path, list[dict[str, Any]]]) -> dict[str, float]:
+    return measure(*served)
+
+
+def test_trainer_logprobs_match_vllm_on_generated_tokens(figures: dict[str, float]) -> None:
+    """The trainer (bf16, its own routing) scores vLLM's samples to bf16 resolution."""
+    assert figures["generated_tokens"] == 8 * 24
+    assert figures["mismatch_max_without_replay"] < 0.05, figures
+    assert figures["mismatch_without_replay"] < 0.01, figures
+
+
+def test_replayed_routes_are_inferences_and_leave_only_rounding_noise(
+    served: tuple[Path, list[dict[str, Any]]], figures: dict[str, float]
+) -> None:
+    _, samples = served
+    # Each sample's routes cover its prompt and all its generated tokens but the last.
+    assert all(len(s["routes"]) == len(s["prompt"]) + len(s["tokens"]) - 1 for s in samples)
+    assert 0.9 < figures["route_agreement_without_replay"] <= 1.0
+    assert figures["replacement_rate"] == 0.0
+    assert figures["mismatch_with_replay"] < 3 * figures["bf16_noise_floor"]
+    assert figures["mismatch_max_with_replay"] <= figures["mismatch_max_without_replay"]
+
+
+def test_bench_replay_contract(figures: dict[str, float]) -> None:
+    answer = result(figures, quick=True).to_json("replay")
+    assert set(answer) >= {"bench", "figures", "baseline", "ok", "target"}
+    assert all(math.isfinite(value) and value >= 0 for value in answer["figures"].values())
+    ratio = figures["mismatch_without_replay"] / figures["mismatch_with_replay"]
+    assert answer["figures"]["mismatch_ratio"] == pytest.approx(ratio)
+    assert answer["ok"] == (ratio >= 5.0)
+    assert answer["baseline"] == {"mismatch_without_replay": figures["mismatch_without_replay"]}
