@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
+from services.envs.cli import envs_app
+
 if TYPE_CHECKING:
     from services.config import ServiceName
     from services.model_factory.presets import PresetName
@@ -23,6 +25,7 @@ model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(config_app, name="config")
+app.add_typer(envs_app, name="envs")
 
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML run config (configs/*.toml).")

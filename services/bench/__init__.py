@@ -16,6 +16,7 @@ from typing import Any
 
 # name -> "module:function"; imported only when run, so `etude --help` stays fast.
 BENCHMARKS: dict[str, str] = {
+    "envs": "services.bench.envs:run",
     "grpc": "services.bench.grpc_overhead:run",
     "inference": "services.bench.inference:run",
     "quant": "services.bench.quant:run",

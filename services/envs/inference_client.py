@@ -1,0 +1,59 @@
+"""The harness's view of inference: one Generate call, token ids in and out."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+from grpc import aio
+
+from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.envs.harness import Generation
+
+_INDEX_DTYPES = {common_pb2.INDEX_DTYPE_UINT8: "<u1", common_pb2.INDEX_DTYPE_INT16: "<i2"}
+
+
+def unpack_routing(routed: common_pb2.RoutedExperts) -> np.ndarray | None:
+    """The packed [tokens, layers, top_k] array, or None when there is none."""
+    if not routed.shape:
+        return None
+    dtype = _INDEX_DTYPES.get(routed.dtype, "<i4")
+    return np.frombuffer(routed.data, dtype=dtype).reshape(tuple(routed.shape)).astype(np.int16)
+
+
+class InferenceGenerator:
+    """Calls InferenceService.Generate with the rollout's sampling settings."""
+
+    def __init__(self, channel: aio.Channel, temperature: float, seed: int) -> None:
+        self.stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        self.temperature = temperature
+        self.seed = seed
+        self.calls = 0
+
+    async def __call__(self, prompt: list[int], max_tokens: int, stop: list[int]) -> Generation:
+        self.calls += 1
+        request = inference_pb2.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=inference_pb2.SamplingParams(
+                temperature=self.temperature,
+                max_tokens=max_tokens,
+                stop_token_ids=stop,
+                # Reproducible per rollout and call, different across both.
+                seed=zlib.crc32(f"{self.seed}:{self.calls}".encode()),
+            ),
+            return_routed_experts=True,
+        )
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        last = inference_pb2.GenerateResponse()
+        async for chunk in self.stub.Generate(request, timeout=600):
+            token_ids += chunk.token_ids
+            logprobs += chunk.logprobs
+            last = chunk
+        return Generation(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            version_spans=[(s.version, s.start, s.end) for s in last.version_spans],
+            routing=unpack_routing(last.routed_experts),
+            finish_reason=inference_pb2.FinishReason.Name(last.finish_reason),
+        )

@@ -1,0 +1,194 @@
+"""Rollout workers: claim a slot, run the harness in a forked workspace, grade, reward,
+store the rollout record, complete the slot.
+
+The K slots of a group start from the same prepared workspace: the first slot a worker
+takes of a group builds it and snapshots it, the others fork from the snapshot. A fault
+(inference down, a harness bug) fails the slot with the reason, so it is retried; a
+lease lost meanwhile (the worker was too slow) drops the result, since another worker
+owns the slot now. Heartbeats run in the background for as long as a slot is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from grpc import aio
+
+from services.api.v1 import common_pb2, reconciler_pb2
+from services.envs.harness import Harness, HarnessConfig
+from services.envs.inference_client import InferenceGenerator
+from services.envs.rewards import Behaviour, RewardConfig, reasoning_comment_lines, reward
+from services.envs.tools import Tools
+from services.envs.workspace import Workspaces
+from services.objectstore.base import ObjectStore
+from services.reconciler.client import ReconcilerClient
+
+log = logging.getLogger(__name__)
+
+GradeFn = Callable[[Workspaces, str, common_pb2.GradingSpec], common_pb2.GradeResult]
+KEEP_SNAPSHOTS = 32
+
+
+class RolloutWorker:
+    """Runs rollouts for slots claimed from the reconciler, `concurrency` at a time."""
+
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        reconciler: ReconcilerClient,
+        inference: aio.Channel,
+        workspaces: Workspaces,
+        store: ObjectStore,
+        tokenizer: Any,
+        grade: GradeFn,
+        run_name: str,
+        harness: HarnessConfig,
+        rewards: RewardConfig,
+        lease_ttl_s: float,
+    ) -> None:
+        self.worker_id = worker_id
+        self.reconciler = reconciler
+        self.inference = inference
+        self.workspaces = workspaces
+        self.store = store
+        self.tokenizer = tokenizer
+        self.grade = grade
+        self.run_name = run_name
+        self.harness_config = harness
+        self.rewards = rewards
+        self.lease_ttl_s = lease_ttl_s
+        self._snapshots: OrderedDict[str, str] = OrderedDict()  # group id -> snapshot id
+        self._snapshot_lock = asyncio.Lock()
+        self.active = 0
+        self.completed = 0
+
+    async def run(self, concurrency: int, idle_s: float = 0.5) -> None:
+        """Claims and runs slots until cancelled."""
+        await asyncio.gather(*(self._loop(idle_s) for _ in range(concurrency)))
+
+    async def _loop(self, idle_s: float) -> None:
+        while True:
+            try:
+                claimed = await self.reconciler.claim(
+                    self.worker_id, 1, lease_ttl_s=self.lease_ttl_s
+                )
+            except aio.AioRpcError as error:
+                log.warning("claim failed (%s); retrying", error.code().name)
+                await asyncio.sleep(idle_s)
+                continue
+            if not claimed:
+                await asyncio.sleep(idle_s)
+                continue
+            await self._handle(claimed[0])
+
+    async def _handle(self, slot: reconciler_pb2.ClaimedSlot) -> None:
+        self.active += 1
+        async with self.reconciler.lease(slot) as lease:
+            try:
+                summary = await self.rollout(slot)
+            except Exception as error:  # any fault of this attempt: the slot is retried
+                log.exception("rollout of %s failed", slot.lease.slot_id)
+                reason = f"{type(error).__name__}: {error}"[:200]
+                try:
+                    await lease.fail(reason, retryable=True)
+                except aio.AioRpcError as fail_error:
+                    log.warning("could not fail %s: %s", slot.lease.slot_id, fail_error.details())
+                return
+            finally:
+                self.active -= 1
+            if lease.lost.is_set():
+                log.warning(
+                    "lease of %s was lost during the rollout; result dropped", slot.lease.slot_id
+                )
+                return
+            try:
+                await lease.complete(summary)
+                self.completed += 1
+            except aio.AioRpcError as error:
+                log.warning("completion of %s refused: %s", slot.lease.slot_id, error.details())
+
+    async def _workspace(self, slot: reconciler_pb2.ClaimedSlot) -> str:
+        """A fresh fork of the group's prepared workspace."""
+        group = slot.lease.group_id
+        async with self._snapshot_lock:
+            snapshot = self._snapshots.get(group)
+            if snapshot is None:
+                prepared = await asyncio.to_thread(self.workspaces.create, slot.task)
+                snapshot = await asyncio.to_thread(self.workspaces.snapshot, prepared.workspace_id)
+                await asyncio.to_thread(self.workspaces.delete, prepared.workspace_id)
+                self._snapshots[group] = snapshot
+                while len(self._snapshots) > KEEP_SNAPSHOTS:
+                    _, old = self._snapshots.popitem(last=False)
+                    await asyncio.to_thread(self.workspaces.delete, old)
+            self._snapshots.move_to_end(group)
+        (fork,) = await asyncio.to_thread(self.workspaces.fork, snapshot, 1)
+        return fork.workspace_id
+
+    async def rollout(self, slot: reconciler_pb2.ClaimedSlot) -> common_pb2.RolloutSummary:
+        """One rollout of the slot's task; its record is stored, its summary returned."""
+        started = time.perf_counter()
+        lease = slot.lease
+        rollout_id = f"{lease.group_id}-{lease.sample_index}-a{lease.attempt}"
+        workspace_id = await self._workspace(slot)
+        try:
+            grading = slot.task.grading
+            tools = Tools(
+                self.workspaces,
+                workspace_id,
+                lambda ws: self.grade(self.workspaces, ws, grading),
+                self.harness_config.command_timeout_s,
+            )
+            # A seed that is the same in every process (str hashes are salted per process).
+            seed = zlib.crc32(rollout_id.encode())
+            generate = InferenceGenerator(self.inference, self.harness_config.temperature, seed)
+            result = await Harness(generate, self.tokenizer, self.harness_config).run(
+                slot.task, tools
+            )
+            grade = await asyncio.to_thread(self.grade, self.workspaces, workspace_id, grading)
+            comments = 0
+            for path in sorted(tools.state.written):
+                if path.endswith(".py"):
+                    source = await asyncio.to_thread(
+                        self.workspaces.read_file, workspace_id, path, 1 << 20
+                    )
+                    comments += reasoning_comment_lines(source)
+        finally:
+            await asyncio.to_thread(self.workspaces.delete, workspace_id)
+        behaviour = Behaviour(
+            open_todos=sum(not done for done in tools.state.todos.values()),
+            comment_reasoning_lines=comments,
+            tool_names=tools.state.calls,
+        )
+        result.stats.wall_s = time.perf_counter() - started
+        summary = common_pb2.RolloutSummary(
+            rollout_id=rollout_id,
+            group_id=lease.group_id,
+            sample_index=lease.sample_index,
+            task_id=slot.task.task_id,
+            reward=reward(grade.score, result.stats, behaviour, self.rewards),
+            stats=result.stats,
+            finish_reason=result.finish_reason,
+            min_policy_version=result.min_version,
+            max_policy_version=result.max_version,
+            grade=grade,
+        )
+        record = common_pb2.RolloutRecord(summary=summary, segments=result.segments)
+        key = f"rollouts/{self.run_name}/{lease.group_id}/{lease.sample_index}-a{lease.attempt}.pb"
+        info = await asyncio.to_thread(self.store.put, key, record.SerializeToString())
+        summary.record.CopyFrom(
+            common_pb2.ObjectRef(key=info.key, size_bytes=info.size, sha256=info.sha256)
+        )
+        return summary
+
+
+def worker_id(prefix: str) -> str:
+    """A worker id unique to this process."""
+    return f"{prefix}-{os.uname().nodename}-{os.getpid()}"
