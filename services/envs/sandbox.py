@@ -86,15 +86,22 @@ class SandboxUnavailable(RuntimeError):
     """No sandbox can run untrusted code here."""
 
 
-def _limited(config: SandboxConfig, uid: int | None, command: list[str]) -> list[str]:
-    """`command` run under the sandbox's rlimits, set by prlimit(1) right before exec.
+def _tool(name: str) -> str:
+    found = shutil.which(name) or shutil.which(name, path="/usr/bin:/bin")
+    if found is None:
+        raise SandboxUnavailable(f"{name} (util-linux) is not installed: the sandbox needs it")
+    return found
 
-    Not a Python ``preexec_fn``: that runs Python code between fork and exec, which is
-    unsafe in a threaded process (the gRPC server) and crashed children there.
+
+def _limited(config: SandboxConfig, uid: int | None, command: list[str]) -> list[str]:
+    """`command` under the sandbox's rlimits (prlimit) and, as root, as `uid` (setpriv).
+
+    Both are set by small programs that exec the next, never in the child between fork
+    and exec: Python code there (``preexec_fn``) is unsafe in a threaded process, and
+    ``Popen(user=..., group=...)`` makes CPython fork instead of vfork, which runs every
+    native library's fork handlers in the child of a threaded process; that crashed
+    sandbox children (SIGSEGV before exec) while gRPC and torch threads were running.
     """
-    prlimit = shutil.which("prlimit") or shutil.which("prlimit", path="/usr/bin:/bin")
-    if prlimit is None:
-        raise SandboxUnavailable("prlimit (util-linux) is not installed: rlimits cannot be set")
     limits = [
         f"--cpu={config.cpu_s}:{config.cpu_s + 1}",
         f"--as={config.memory_bytes}",
@@ -102,9 +109,11 @@ def _limited(config: SandboxConfig, uid: int | None, command: list[str]) -> list
         f"--nofile={config.max_open_files}",
         "--core=0",
     ]
+    drop: list[str] = []
     if uid is not None:  # RLIMIT_NPROC counts the uid's processes, and root is exempt
         limits.append(f"--nproc={config.max_processes}")
-    return [prlimit, *limits, "--", *command]
+        drop = [_tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    return [_tool("prlimit"), *limits, "--", *drop, *command]
 
 
 def _read_capped(stream: object, limit: int, sink: list[bytes], truncated: list[bool]) -> None:
@@ -203,10 +212,6 @@ class Sandbox(abc.ABC):
             cwd=workspace,
             env=full_env,
             start_new_session=True,
-            # The uid drop happens in C between fork and exec (no Python there).
-            user=uid,
-            group=uid,
-            extra_groups=[] if uid is not None else None,
         )
         outputs: dict[str, tuple[list[bytes], list[bool]]] = {
             "out": ([], [False]),
