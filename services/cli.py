@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, cast
 import typer
 
 from services.envs.cli import envs_app
+from services.evals.cli import evals_app
 
 if TYPE_CHECKING:
     from services.config import ServiceName
@@ -26,6 +27,7 @@ config_app = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(config_app, name="config")
 app.add_typer(envs_app, name="envs")
+app.add_typer(evals_app, name="evals")
 
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", "-c", help="TOML run config (configs/*.toml).")

@@ -199,6 +199,23 @@ class WeightsConfig(StrictModel):
     )
 
 
+class BaseModelConfig(StrictModel):
+    """How `etude run` builds the base model: factory model, CPT, then SFT (see
+    services/launcher/base_model.py)."""
+
+    seed: int = Field(0, ge=0, description="Seed of the factory model, the corpus and the tasks.")
+    cpt_steps: int = Field(150, ge=0, description="Continued-pretraining steps on the corpus.")
+    cpt_lr: float = Field(1e-3, gt=0, le=1, description="AdamW learning rate of CPT.")
+    sft_steps: int = Field(300, ge=0, description="SFT steps on agent transcripts.")
+    sft_lr: float = Field(5e-4, gt=0, le=1, description="AdamW learning rate of SFT.")
+    sft_tasks: int = Field(
+        4000, ge=1, description="Synthetic training tasks whose transcripts make the SFT data."
+    )
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up of each stage, in steps.")
+    tokens_per_step: int = Field(8192, ge=64, description="Tokens per optimizer step.")
+    max_seq_len: int = Field(512, ge=16, description="Longer examples are truncated.")
+
+
 class LauncherConfig(StrictModel):
     """`etude run`: how the local launcher brings a deployment up on one machine."""
 
@@ -211,6 +228,18 @@ class LauncherConfig(StrictModel):
     ready_timeout_s: float = Field(
         600.0, gt=0, description="Give up when the services are not all ready after this long."
     )
+    max_restarts: int = Field(
+        5, ge=0, le=1000, description="A service that exits is restarted up to this many times."
+    )
+    restart_backoff_s: float = Field(
+        1.0, gt=0, le=60, description="Wait before the first restart; doubled each time (<= 30 s)."
+    )
+    train_timeout_s: float = Field(
+        7200.0, gt=0, description="Give up when the trainer's job is not done after this long."
+    )
     stop_grace_s: float = Field(
         20.0, gt=0, description="After SIGTERM, a process gets this long before SIGKILL."
+    )
+    base_model: BaseModelConfig = Field(
+        default_factory=BaseModelConfig, description="Building the base model (CPT + SFT)."
     )

@@ -15,7 +15,7 @@ from google.protobuf import json_format
 from grpc import aio
 
 from services.api.v1 import common_pb2, reconciler_pb2
-from services.reconciler.client import GroupDropped, ReconcilerClient
+from services.reconciler.client import GroupDropped, GroupFuture, ReconcilerClient
 from services.wire.client import make_channel
 from tests.conftest import TOKEN
 from tests.reconciler_support import ReconcilerProcess, reconciler
@@ -78,6 +78,11 @@ async def test_futures_resolve_as_groups_complete(server: ReconcilerProcess) -> 
         assert await client.commit("trainer", 1) == 5
         # A future asked after its group was trained still has its result.
         assert (await futures[0].result()).group_id == futures[0].group_id
+        # Watching a trained group answers at once, with the group (not a bare state).
+        late = GroupFuture(client, futures[1].group_id)
+        async with asyncio.timeout(5):
+            assert [f.group_id async for f in client.as_completed([late])] == [late.group_id]
+        assert late.done() and len((await late.result()).rollouts) == 2
 
 
 async def _status(client: ReconcilerClient) -> reconciler_pb2.ReconcilerStatusResponse:

@@ -196,6 +196,38 @@ async def test_eval_slots_come_first_and_priority_orders_within_a_kind(store: Sl
     assert order == [evaluation, high, low]
 
 
+async def test_eval_groups_never_reach_the_trainer_and_expire() -> None:
+    store, _ = await make_store(committed_retention_s=60)
+    try:
+        await store.write_settings()
+        (evaluation,) = await store.submit([spec(k=2, kind=EVAL)])
+        (train,) = await store.submit([spec(k=1)])
+        assert await complete_all(store, await store.claim("w", [], 3, 5)) == [
+            "RUNNING",
+            "READY",
+            "READY",
+        ]
+        assert (await store.get_group(evaluation)).state == reconciler_pb2.GROUP_STATE_READY
+        pulled = await store.pull("trainer", 1, 5, 0, partial=True)
+        assert [g.group_id for g in pulled.groups] == [train]
+        ttl = await store.redis.pttl(store.key("group", evaluation))
+        assert 0 < ttl <= 60_000
+        assert 0 < await store.redis.pttl(store.key("slot", f"{evaluation}/1")) <= 60_000
+        assert await store.redis.pttl(store.key("group", train)) == -1  # until committed
+    finally:
+        await drop_run(store)
+
+
+async def test_a_group_waits_for_its_min_policy_version(store: SlotStore) -> None:
+    (later,) = await store.submit([spec(k=1, kind=EVAL, min_policy_version=2)])
+    (now,) = await store.submit([spec(k=1, kind=EVAL, priority=-1)])
+    assert [s.lease.group_id for s in await store.claim("w", [], 5, 5)] == [now]
+    await store.publish_version(common_pb2.PolicyVersionNotice(version=2, manifest_key="m2"))
+    (claimed,) = await store.claim("w", [], 5, 5)
+    assert claimed.lease.group_id == later
+    await check_counts(store)
+
+
 async def test_kinds_filter_and_weighted_share() -> None:
     store, _ = await make_store(priority_mode="weighted", eval_share=0.0)
     try:

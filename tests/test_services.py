@@ -188,14 +188,14 @@ def test_malformed_request_names_the_field(deployment: Deployment, service: str)
         assert _call(STUBS[service](channel), "GetStatus", common_pb2.StatusRequest()).info.ready
 
 
-def test_unbuilt_methods_say_so(deployment: Deployment) -> None:
-    """A valid request to a method this release does not do answers UNIMPLEMENTED, no fake data."""
+def test_evals_lists_its_suites(deployment: Deployment) -> None:
+    """The deployed evals service knows the two built-in suites and their sizes."""
     with grpc.insecure_channel(deployment.target("evals")) as channel:
         stub = evals_pb2_grpc.EvalsServiceStub(channel)
-        with pytest.raises(grpc.RpcError) as answer:
-            stub.ListSuites(evals_pb2.ListSuitesRequest(), metadata=AUTH, timeout=10)
-    assert answer.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "ListSuites" in answer.value.details()
+        answer = stub.ListSuites(evals_pb2.ListSuitesRequest(), metadata=AUTH, timeout=30)
+    suites = {(s.name, s.family): s.num_tasks for s in answer.suites}
+    assert suites[("humaneval", "humaneval")] == 164
+    assert suites[("synthetic-heldout", "synthetic")] > 0
 
 
 def _spans(path: Path) -> list[dict[str, Any]]:

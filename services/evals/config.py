@@ -1,14 +1,31 @@
-"""Settings of the evals service."""
+"""Settings of the evals service: which suites, how often, which pass@k."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig
+from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig, StrictModel
+
+
+class SuiteConfig(StrictModel):
+    """Overrides of one suite's defaults (``[evals.suites.<name>]``); unset keeps the suite's."""
+
+    enabled: bool = Field(
+        True, description="The watcher scores every published version on it (RunEval always can)."
+    )
+    num_tasks: int | None = Field(
+        None, ge=1, description="Score the first N tasks of the suite's fixed list; unset: all."
+    )
+    num_samples: int | None = Field(
+        None, ge=1, le=1024, description="K, samples per task, when RunEval does not say."
+    )
+    seed: int = Field(
+        0, ge=0, description="Seed of a generated suite's task list (synthetic-heldout)."
+    )
 
 
 class EvalsConfig(ServiceConfig):
-    """Evaluations of published versions; ready when the reconciler is."""
+    """Evaluations of published versions; ready when the reconciler and inference are."""
 
     grpc: GrpcServerConfig = Field(
         default_factory=lambda: GrpcServerConfig(port=50055), description="gRPC listener."
@@ -16,3 +33,40 @@ class EvalsConfig(ServiceConfig):
     http: HttpServerConfig = Field(
         default_factory=lambda: HttpServerConfig(port=9105), description="HTTP listener."
     )
+    suites: dict[str, SuiteConfig] = Field(
+        default_factory=dict,
+        description=(
+            "Per-suite overrides by suite name; every suite under services/evals/suites is "
+            "known, and enabled unless its entry says otherwise."
+        ),
+    )
+    watch: bool = Field(True, description="Score published versions as they appear.")
+    every_n_versions: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Score a version only when it is at least this many past the last one scored; "
+            "when behind, the newest version is scored and those in between are skipped."
+        ),
+    )
+    pass_at_k: list[int] = Field(
+        default_factory=lambda: [1, 2, 4],
+        min_length=1,
+        description="k of the unbiased pass@k estimates (a k above a suite's K is left out).",
+    )
+    priority: int = Field(
+        0, ge=-1000, le=1000, description="Priority of eval groups among eval groups."
+    )
+    eval_timeout_s: float = Field(
+        3600.0, gt=0, description="An eval whose groups are not all ready by then fails."
+    )
+    poll_interval_s: float = Field(
+        10.0, gt=0, description="The store's latest version is checked this often besides notices."
+    )
+
+    @field_validator("pass_at_k")
+    @classmethod
+    def _ks(cls, ks: list[int]) -> list[int]:
+        if any(k < 1 or k > 1024 for k in ks):
+            raise ValueError(f"pass_at_k: every k must be in [1, 1024], got {ks}")
+        return sorted(set(ks))

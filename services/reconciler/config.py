@@ -98,7 +98,10 @@ class ReconcilerConfig(ServiceConfig):
         0, ge=0, description="Stop leasing training slots while this many groups await the trainer."
     )
     committed_retention_s: float = Field(
-        86_400.0, ge=0, description="Keep trained groups this long in Redis; 0 keeps them."
+        86_400.0,
+        ge=0,
+        description="Keep trained groups, and finished eval groups, this long in Redis; 0 keeps "
+        "them.",
     )
     feeder: FeederConfig | None = Field(None, description="Task source run by the reconciler.")
 

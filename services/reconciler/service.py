@@ -163,7 +163,7 @@ class ReconcilerServicer(reconciler_pb2_grpc.ReconcilerServiceServicer):
         event = reconciler_pb2.GroupEvent(
             group_id=group_id, state=reconciler_pb2.GroupState.Value(f"GROUP_STATE_{state}")
         )
-        if state == "READY":
+        if state in ("READY", "CONSUMED", "COMMITTED"):  # done: the group comes along
             event.group.CopyFrom(await self._store.get_group(group_id))
         return event
 
@@ -244,6 +244,7 @@ class ReconcilerService(Service):
         interval = self.config.reconciler.reap_interval_s
         while True:
             try:
+                await self.store.write_settings()  # again after a Redis that lost its data
                 while await self._reap_batch():
                     pass
                 SNAPSHOT.counts = await self.store.counts()

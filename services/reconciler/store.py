@@ -100,6 +100,11 @@ class SlotStore:
         """A key of this run."""
         return ":".join((self.prefix, *parts))
 
+    async def write_settings(self) -> None:
+        """Settings the scripts read from Redis (retention of finished eval groups)."""
+        retention_ms = int(self.config.committed_retention_s * 1000)
+        await self.redis.hset(self.key("settings"), "retention_ms", retention_ms)
+
     async def submit(
         self,
         specs: Sequence[reconciler_pb2.GroupSpec],

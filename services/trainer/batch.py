@@ -63,11 +63,40 @@ class Microbatch:
     behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
     weights: torch.Tensor
+    # [T] bool: tokens added only to align sequences for context parallelism or to give
+    # an idle rank something to run (never trained); None when there are none.
+    padding: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
-        """Tokens in the stream."""
-        return int(self.targets.shape[0])
+        """Tokens of the data in the stream (padding left out)."""
+        total = int(self.targets.shape[0])
+        return total if self.padding is None else total - int(self.padding.sum())
+
+    def to(self, device: torch.device) -> Microbatch:
+        """This microbatch on ``device`` (itself when it is there already)."""
+        if self.targets.device == device:
+            return self
+        inputs = self.inputs
+
+        def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(device)
+
+        return Microbatch(
+            inputs=PackedInputs(
+                inputs.input_ids.to(device),
+                inputs.position_ids.to(device),
+                inputs.cu_seqlens,
+                move(inputs.replay_experts),
+                move(inputs.replay_mask),
+            ),
+            targets=self.targets.to(device),
+            trained=self.trained.to(device),
+            behaviour_logprobs=self.behaviour_logprobs.to(device),
+            advantages=self.advantages.to(device),
+            weights=self.weights.to(device),
+            padding=move(self.padding),
+        )
 
 
 @dataclass
@@ -112,9 +141,12 @@ def load_groups(
     return pulled
 
 
-def _pack(
-    items: list[tuple[SegmentTokens, float, float]], num_layers: int, top_k: int
-) -> Microbatch:
+TrainItem = tuple[SegmentTokens, float, float]
+"""One packed sequence to train on: its tokens, its rollout's advantage, its group's weight."""
+
+
+def pack_microbatch(items: Sequence[TrainItem], num_layers: int, top_k: int) -> Microbatch:
+    """Packs ``items`` (in order) into one microbatch."""
     segments = [segment for segment, _, _ in items]
     inputs = PackedInputs.pack(
         [s.input_ids for s in segments],
@@ -140,12 +172,37 @@ def _pack(
     )
 
 
-def build_rl_batch(
-    groups: Sequence[PulledGroup], *, microbatch_tokens: int, num_layers: int, top_k: int
-) -> RLBatch:
-    """Advantages per group, then the trainable segments packed into microbatches."""
+@dataclass
+class RLItems:
+    """The sequences of one RL step before packing, and the step's batch statistics."""
+
+    items: list[TrainItem]
+    num_rollouts: int
+    rewards: list[common_pb2.RewardParts]
+    advantages: list[float]
+    group_weights: list[float]
+    skipped: Counter[str] = field(default_factory=Counter)
+
+    def batch(self, microbatches: list[Microbatch]) -> RLBatch:
+        """The ``RLBatch`` of these statistics over ``microbatches``."""
+        return RLBatch(
+            microbatches,
+            self.num_rollouts,
+            self.rewards,
+            self.advantages,
+            self.group_weights,
+            self.skipped,
+        )
+
+
+def collect_rl_items(groups: Sequence[PulledGroup]) -> RLItems:
+    """Dr. GRPO advantages per group, computed before any packing; the trainable segments.
+
+    Packing may later put a group's rollouts on different ranks: each carries its
+    advantage, so the loss never needs the rest of its group.
+    """
     skipped: Counter[str] = Counter()
-    items: list[tuple[SegmentTokens, float, float]] = []
+    items: list[TrainItem] = []
     rewards: list[common_pb2.RewardParts] = []
     advantages: list[float] = []
     weights: list[float] = []
@@ -168,16 +225,24 @@ def build_rl_batch(
             advantages.append(advantage)
             weights.append(group.weight)
             items.extend((segment, advantage, group.weight) for segment in rollout.segments)
+    return RLItems(items, num_rollouts, rewards, advantages, weights, skipped)
+
+
+def build_rl_batch(
+    groups: Sequence[PulledGroup], *, microbatch_tokens: int, num_layers: int, top_k: int
+) -> RLBatch:
+    """Advantages per group, then the trainable segments packed in order into microbatches."""
+    collected = collect_rl_items(groups)
     microbatches: list[Microbatch] = []
-    current: list[tuple[SegmentTokens, float, float]] = []
+    current: list[TrainItem] = []
     size = 0
-    for item in items:
+    for item in collected.items:
         length = len(item[0].input_ids)
         if current and size + length > microbatch_tokens:
-            microbatches.append(_pack(current, num_layers, top_k))
+            microbatches.append(pack_microbatch(current, num_layers, top_k))
             current, size = [], 0
         current.append(item)
         size += length
     if current:
-        microbatches.append(_pack(current, num_layers, top_k))
-    return RLBatch(microbatches, num_rollouts, rewards, advantages, weights, skipped)
+        microbatches.append(pack_microbatch(current, num_layers, top_k))
+    return collected.batch(microbatches)

@@ -155,6 +155,66 @@ class CheckpointConfig(StrictModel):
     keep_last: int = Field(3, ge=1, description="Periodic checkpoints kept (tagged ones stay).")
 
 
+class PackingConfig(StrictModel):
+    """Global sequence packing: a sequence of L tokens costs ``a * L + b * L**2``."""
+
+    cost_per_token: float = Field(
+        1.0,
+        gt=0,
+        description="a: the linear part of a sequence's cost (projections, experts), per token.",
+    )
+    cost_per_token_pair: float = Field(
+        4e-5,
+        ge=0,
+        description="b: the quadratic part (causal attention), per token pair, in the units of "
+        "a. `etude bench packing` measures a and b on a model; the default suits a "
+        "d_model of about 4096 (b / a ~ 1 / (6 d_model)).",
+    )
+    calibrate: bool = Field(
+        False,
+        description="Measure a and b at start-up (a timed forward + backward of one decoder "
+        "layer at several lengths, on rank 0) instead of using the two settings.",
+    )
+
+
+class DistConfig(StrictModel):
+    """How the job is laid out over the processes torchrun starts (docs/distributed.md).
+
+    Dense weights are sharded (FSDP2) over every rank, a dp x cp mesh; experts are sharded
+    over an ``ep`` axis formed from the same ranks. The degrees are checked against the
+    world size and the model at start-up, before any collective.
+    """
+
+    dp: int = Field(0, ge=0, le=65536, description="Data-parallel degree; 0 means world size / cp.")
+    cp: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Context-parallel degree: each sequence is cut into 2 * cp chunks and rank "
+        "i of a cp group holds chunks i and 2 cp - 1 - i (balanced causal attention).",
+    )
+    ep: int = Field(
+        1,
+        ge=1,
+        le=65536,
+        description="Expert-parallel degree: experts are split over groups of ep ranks taken "
+        "from dp x cp; it must divide the world size and the number of experts.",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Collectives: 'auto' is nccl when CUDA is available, else gloo."
+    )
+    timeout_s: float = Field(
+        1800.0,
+        ge=10,
+        le=86400,
+        description="A collective waiting longer than this fails the job (a rank died or hung). "
+        "Followers wait in a collective while the leader pulls, so keep it above pull_wait_s.",
+    )
+    packing: PackingConfig = Field(
+        default_factory=PackingConfig, description="Global sequence packing."
+    )
+
+
 class JobConfig(StrictModel):
     """A training job the service runs from start-up."""
 
@@ -166,6 +226,10 @@ class JobConfig(StrictModel):
     data: DataConfig | None = Field(None, description="Data (phase = 'cpt' or 'sft').")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpoints."
+    )
+    dist: DistConfig = Field(
+        default_factory=DistConfig,
+        description="Parallel layout under torchrun; in one process every degree must be 1.",
     )
     max_steps: int = Field(
         0, ge=0, description="Stop after this many steps; 0 runs until the data ends or SIGTERM."
@@ -184,6 +248,11 @@ class JobConfig(StrictModel):
 
     @model_validator(mode="after")
     def _data_for_phase(self) -> JobConfig:
+        if self.dist.timeout_s <= self.rl.pull_wait_s:
+            raise ValueError(
+                f"dist.timeout_s ({self.dist.timeout_s}) must exceed rl.pull_wait_s "
+                f"({self.rl.pull_wait_s}): the other ranks wait that long for each pull"
+            )
         if self.phase in ("cpt", "sft") and self.data is None:
             raise ValueError(f"phase = {self.phase!r} needs [trainer.job.data] (got data = None)")
         if self.phase == "sft" and self.data is not None and self.data.kind != "jsonl":

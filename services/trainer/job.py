@@ -12,6 +12,12 @@ groups out again until it is committed), and the resumed job, restored exactly f
 the checkpoint, retrains them into the same weights. A group is never in two
 optimizer updates that survive. Compute runs in a worker thread so the gRPC server
 answers while a step runs; checkpoint requests are served between steps.
+
+Distributed (under torchrun, with a ``Runtime``), every rank runs this job: rank 0 pulls,
+reads the data, commits and answers requests, and before each step scatters a
+``StepMessage`` to every rank (its share of the step's sequences, the checkpoints to
+save); all ranks train, publish their shards and save checkpoints together
+(docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import torch
@@ -35,13 +41,28 @@ from services.objectstore.base import ObjectStore
 from services.reconciler.client import ReconcilerClient
 from services.run_config import EtudeConfig
 from services.trainer import metrics
-from services.trainer.batch import RLBatch, build_rl_batch, load_groups
+from services.trainer.batch import (
+    Microbatch,
+    RLBatch,
+    RLItems,
+    build_rl_batch,
+    collect_rl_items,
+    load_groups,
+)
 from services.trainer.checkpoint import CheckpointInfo, CheckpointStore
 from services.trainer.config import JobConfig
+from services.trainer.distributed.layout import check_job
 from services.trainer.learner import Learner
-from services.trainer.model import save_pretrained
+from services.trainer.model import Architecture, save_pretrained
+from services.trainer.precision import PrecisionConfig
 from services.trainer.publishing import PolicyPublisher
 from services.trainer.sft import ExampleStream, open_source, to_microbatch
+
+if TYPE_CHECKING:
+    from services.trainer.distributed.batching import RankPart
+    from services.trainer.distributed.packing import CostModel
+    from services.trainer.distributed.runtime import Runtime
+    from services.trainer.distributed.steps import StepMessage
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +82,23 @@ class TrainingJob:
         config: EtudeConfig,
         store: ObjectStore,
         reconciler: ReconcilerClient | None,
+        runtime: Runtime | None = None,
     ) -> None:
         assert config.trainer.job is not None
         self.config = config
         self.job: JobConfig = config.trainer.job
         self.store = store
         self.reconciler = reconciler
+        self.runtime = runtime
         self.model_dir = self.job.model.model_dir or config.inference.engine.model_dir
-        self.checkpoints = CheckpointStore(checkpoint_root(config), self.job.checkpoint.keep_last)
+        root, keep_last = checkpoint_root(config), self.job.checkpoint.keep_last
+        if runtime is None:
+            self.checkpoints = CheckpointStore(root, keep_last)
+        else:
+            from services.trainer.distributed.checkpoint import DistributedCheckpointStore
+
+            self.checkpoints = DistributedCheckpointStore(root, keep_last, runtime)
+        self.cost_model: CostModel | None = None
         self.state = "starting"
         self.error = ""
         self.step = 0
@@ -79,6 +109,7 @@ class TrainingJob:
         self.learner: Learner | None = None
         self.publisher: PolicyPublisher | None = None
         self._requests: asyncio.Queue[tuple[str, asyncio.Future[CheckpointInfo]]] = asyncio.Queue()
+        self._tag_futures: dict[str, list[asyncio.Future[CheckpointInfo]]] = {}
 
     @property
     def policy_version(self) -> int:
@@ -95,15 +126,15 @@ class TrainingJob:
         """Runs the job to its end; a failure is logged and reported, not raised."""
         try:
             await asyncio.to_thread(self._setup)
-            self.publisher = PolicyPublisher(
-                self.store, self.config.run.name, self.config.weights, self.reconciler
-            )
+            self.publisher = self._publisher()
             await self._commit()  # groups a previous process checkpointed but did not commit
             self.state = "running"
             if self.job.phase == "rl":
-                await self._run_rl()
+                await (self._run_rl() if self.runtime is None else self._run_rl_distributed())
             else:
-                await self._run_stream()
+                await (
+                    self._run_stream() if self.runtime is None else self._run_stream_distributed()
+                )
             await self._finish()
             self.state = "done"
         except asyncio.CancelledError:
@@ -116,11 +147,20 @@ class TrainingJob:
                 self.publisher.close()
         await self._answer_late_requests()
 
+    def _publisher(self) -> PolicyPublisher:
+        run, weights = self.config.run.name, self.config.weights
+        if self.runtime is None:
+            return PolicyPublisher(self.store, run, weights, self.reconciler)
+        from services.trainer.distributed.publishing import ShardedPolicyPublisher
+
+        return ShardedPolicyPublisher(self.store, run, weights, self.reconciler, self.runtime)
+
     async def _answer_late_requests(self) -> None:
-        """Requests that arrived while the job was ending: saved if it ended well."""
+        """Requests that arrived while the job was ending: saved if it ended well (in one
+        process; the ranks of a distributed job have stopped)."""
         while not self._requests.empty():
             tag, future = self._requests.get_nowait()
-            if self.state == "done":
+            if self.state == "done" and self.runtime is None:
                 try:
                     future.set_result(await self._checkpoint(tag))
                 except Exception as error:
@@ -131,9 +171,14 @@ class TrainingJob:
     def _setup(self) -> None:
         if self.job.num_threads:
             torch.set_num_threads(self.job.num_threads)
+        arch = Architecture.from_model_dir(self.model_dir)
+        if self.runtime is None:
+            check_job(self.job, arch, 1)  # a layout for several ranks is an error here
         torch.manual_seed(self.job.seed)
         random.seed(self.job.seed)
-        self.learner = Learner.load(self.model_dir, self.job)
+        self.learner = Learner.load(self.model_dir, self.job, self.runtime)
+        if self.runtime is not None:
+            self.cost_model = self._packing_cost(arch)
         card = self.model_dir / "etude_model.json"
         if card.is_file():
             self.initial_version = int(json.loads(card.read_text()).get("policy_version", 0))
@@ -158,8 +203,39 @@ class TrainingJob:
     def _finished(self) -> bool:
         return bool(self.job.max_steps) and self.step >= self.job.max_steps
 
+    def _packing_cost(self, arch: Architecture) -> CostModel:
+        """The settings' cost model, or one rank 0 measures on this model and shares."""
+        from services.trainer.distributed.calibration import calibrate
+        from services.trainer.distributed.packing import CostModel
+
+        assert self.runtime is not None
+        packing = self.job.dist.packing
+        model: CostModel | None = None
+        if packing.calibrate and self.runtime.is_leader:
+            assert self.learner is not None
+            model = calibrate(
+                arch,
+                dtype=self.learner.model.dtype,
+                precision=PrecisionConfig(
+                    precision=self.job.model.experts_precision,
+                    backend=self.job.model.experts_backend,
+                ),
+                device=self.runtime.device,
+            )
+            log.info("packing cost measured: b / a = %.3g", model.per_token_pair)
+        elif not packing.calibrate:
+            model = CostModel(packing.cost_per_token, packing.cost_per_token_pair)
+        shared: CostModel = self.runtime.share(model)
+        return shared
+
     async def request_checkpoint(self, tag: str) -> CheckpointInfo:
         """Saves a tagged checkpoint at the next step boundary (at once when the job is done)."""
+        if self.runtime is not None and not self.runtime.is_leader:
+            raise RuntimeError("checkpoint requests go to global rank 0 (the trainer Service)")
+        if self.state == "done" and self.runtime is not None:
+            raise RuntimeError(
+                "the distributed job has ended and its ranks stopped; use the last checkpoint"
+            )
         if self.state == "done":
             return await self._checkpoint(tag)
         if self.state in ("starting", "failed"):
@@ -169,6 +245,8 @@ class TrainingJob:
         return await future
 
     async def _serve_requests(self) -> None:
+        if self.runtime is not None:
+            return  # every rank saves together: requests travel in the step messages
         while not self._requests.empty():
             tag, future = self._requests.get_nowait()
             try:
@@ -190,6 +268,9 @@ class TrainingJob:
     async def _commit(self) -> None:
         """Commits what the newest checkpoint holds (idempotent)."""
         reconciler = self.reconciler
+        if self.runtime is not None and not self.runtime.is_leader:
+            self.uncommitted = []  # rank 0 commits (and its checkpoint metadata lists them)
+            return
         if reconciler is None or not self.uncommitted or self.step == 0:
             return
         groups, step = list(self.uncommitted), self.step - 1
@@ -236,7 +317,7 @@ class TrainingJob:
         self.metrics = step_metrics
         metrics.export(self.step, step_metrics)
         metrics.POLICY_VERSION.set(self.policy_version)
-        if self.job.metrics_file is not None:
+        if self.job.metrics_file is not None and (self.runtime is None or self.runtime.is_leader):
             record = {"step": self.step, "version": self.policy_version, **record, **step_metrics}
             await asyncio.to_thread(metrics.append_record, self.job.metrics_file, record)
 
@@ -263,18 +344,123 @@ class TrainingJob:
             started = time.perf_counter()
             batch = await asyncio.to_thread(self._prepare, answer.groups)
             step_metrics = await asyncio.to_thread(self.learner.rl_step, batch, self.step)
-            computed = time.perf_counter() - started
-            step_metrics |= metrics.batch_metrics(batch, answer.num_stale_dropped) | {
-                "groups": float(len(answer.groups)),
-                "tokens_per_s": step_metrics["tokens"] / max(computed, 1e-9),
-                "time_wait_s": waited,
-                "time_compute_s": computed,
-            }
-            metrics.STEP_SECONDS.labels("wait").observe(waited)
-            metrics.STEP_SECONDS.labels("compute").observe(computed)
             group_ids = [group.group_id for group in answer.groups]
-            self.uncommitted.extend(group_ids)
-            await self._after_step(step_metrics, {"group_ids": group_ids})
+            await self._end_rl_step(
+                batch, step_metrics, group_ids, answer.num_stale_dropped, waited, started
+            )
+
+    async def _end_rl_step(
+        self,
+        batch: RLBatch,
+        step_metrics: dict[str, float],
+        group_ids: list[str],
+        num_stale_dropped: int,
+        waited: float,
+        started: float,
+    ) -> None:
+        computed = time.perf_counter() - started
+        step_metrics |= metrics.batch_metrics(batch, num_stale_dropped) | {
+            "groups": float(len(group_ids)),
+            "tokens_per_s": step_metrics["tokens"] / max(computed, 1e-9),
+            "time_wait_s": waited,
+            "time_compute_s": computed,
+        }
+        metrics.STEP_SECONDS.labels("wait").observe(waited)
+        metrics.STEP_SECONDS.labels("compute").observe(computed)
+        self.uncommitted.extend(group_ids)
+        await self._after_step(step_metrics, {"group_ids": group_ids})
+
+    async def _run_rl_distributed(self) -> None:
+        """The RL loop on every rank: rank 0 pulls and plans, every rank trains its share."""
+        from services.trainer.distributed.steps import StepMessage, scatter_plan, stats_only
+
+        runtime, rl = self.runtime, self.job.rl
+        assert runtime is not None and self.learner is not None
+        while not self._finished():
+            started = time.perf_counter()
+            self.state = "waiting"
+            messages: list[StepMessage] | None = None
+            if runtime.is_leader:
+                assert self.reconciler is not None and self.cost_model is not None
+                base = StepMessage(checkpoint_tags=self._take_requests())
+                pull = functools.partial(
+                    self.reconciler.pull_batch,
+                    rl.consumer_id,
+                    self.step,
+                    rl.groups_per_step,
+                    self.policy_version,
+                    rl.pull_wait_s,
+                )
+                answer = await self._retrying("PullBatch", pull)
+                base.waited_s = time.perf_counter() - started
+                messages = [base] * runtime.world_size
+                if answer.groups:
+                    collected = await asyncio.to_thread(self._collect, answer.groups)
+                    base.stats = stats_only(collected)
+                    base.group_ids = [group.group_id for group in answer.groups]
+                    base.num_stale_dropped = answer.num_stale_dropped
+                    messages = scatter_plan(
+                        base, collected.items, runtime, self.cost_model, rl.microbatch_tokens
+                    )
+            message: StepMessage = await asyncio.to_thread(runtime.scatter, messages)
+            await self._save_tagged(message.checkpoint_tags)
+            if message.part is None or message.stats is None:
+                continue
+            self.state = "running"
+            started = time.perf_counter()
+            local = await asyncio.to_thread(self._local_microbatches, message.part)
+            batch = message.stats.batch(local)
+            step_metrics = await asyncio.to_thread(self.learner.rl_step, batch, self.step)
+            await self._end_rl_step(
+                batch,
+                step_metrics,
+                message.group_ids,
+                message.num_stale_dropped,
+                message.waited_s,
+                started,
+            )
+
+    def _collect(self, groups: Sequence[reconciler_pb2.Group]) -> RLItems:
+        assert self.learner is not None
+        pulled = load_groups(self.store, groups, self.learner.model.arch, self.job.replay.mode)
+        return collect_rl_items(pulled)
+
+    def _local_microbatches(self, part: RankPart) -> list[Microbatch]:
+        from services.trainer.distributed.batching import local_microbatches
+
+        assert self.runtime is not None and self.learner is not None
+        arch = self.learner.model.arch
+        return local_microbatches(
+            part,
+            self.runtime.layout,
+            self.runtime.cp_index,
+            num_layers=arch.num_layers,
+            top_k=arch.top_k,
+        )
+
+    def _take_requests(self) -> list[str]:
+        """Rank 0: the tags requested since the last step (their futures wait in
+        ``_tag_futures`` until every rank has saved them)."""
+        tags = []
+        while not self._requests.empty():
+            tag, future = self._requests.get_nowait()
+            self._tag_futures.setdefault(tag, []).append(future)
+            if tag not in tags:
+                tags.append(tag)
+        return tags
+
+    async def _save_tagged(self, tags: list[str]) -> None:
+        """Every rank saves the tagged checkpoints rank 0 announced; rank 0 answers."""
+        for tag in tags:
+            futures = self._tag_futures.pop(tag, [])
+            try:
+                info = await self._checkpoint(tag)
+            except Exception as error:  # the same on every rank: rank 0 decided
+                for future in futures:
+                    future.set_exception(error)
+                continue
+            for future in futures:
+                future.set_result(info)
 
     def _prepare(self, groups: Sequence[reconciler_pb2.Group]) -> RLBatch:
         """Fetches and checks the pulled groups' rollout records; packs the batch."""
@@ -311,8 +497,54 @@ class TrainingJob:
             }
             await self._after_step(step_metrics, {"cursor": self.cursor})
 
+    async def _run_stream_distributed(self) -> None:
+        """CPT/SFT on every rank: rank 0 reads the data and plans, every rank trains."""
+        from services.trainer.distributed.steps import StepMessage, example_items, scatter_plan
+
+        runtime, data = self.runtime, self.job.data
+        assert runtime is not None and self.learner is not None and data is not None
+        stream = None
+        if runtime.is_leader:
+            source = open_source(data, self.model_dir)
+            stream = ExampleStream(source, data.tokens_per_step, self.cursor)
+        while not self._finished():
+            started = time.perf_counter()
+            messages: list[StepMessage] | None = None
+            if stream is not None:
+                assert self.cost_model is not None
+                base = StepMessage(checkpoint_tags=self._take_requests())
+                examples = await asyncio.to_thread(stream.next_batch)
+                base.cursor, base.stop = stream.cursor, not examples
+                messages = [base] * runtime.world_size
+                if examples:
+                    messages = scatter_plan(
+                        base,
+                        example_items(examples),
+                        runtime,
+                        self.cost_model,
+                        data.tokens_per_step,
+                    )
+            message: StepMessage = await asyncio.to_thread(runtime.scatter, messages)
+            await self._save_tagged(message.checkpoint_tags)
+            if message.stop or message.part is None:
+                log.info("the data ended after %d steps", self.step)
+                return
+            local = await asyncio.to_thread(self._local_microbatches, message.part)
+            step_metrics = await asyncio.to_thread(self.learner.sft_step, local, self.step)
+            computed = time.perf_counter() - started
+            self.cursor = message.cursor
+            step_metrics |= {
+                "examples": float(sum(len(items) for items in message.part)),
+                "tokens_per_s": step_metrics["tokens"] / max(computed, 1e-9),
+                "time_compute_s": computed,
+            }
+            await self._after_step(step_metrics, {"cursor": self.cursor})
+
     async def _finish(self) -> None:
         assert self.learner is not None and self.publisher is not None
+        if self.runtime is not None:  # requests that came in during the last step
+            tags = self._take_requests() if self.runtime.is_leader else None
+            await self._save_tagged(await asyncio.to_thread(self.runtime.share, tags))
         latest = self.checkpoints.latest()
         if latest is None or latest.step != self.step:
             await self._checkpoint()
@@ -320,11 +552,25 @@ class TrainingJob:
         await self._serve_requests()
         await self.publisher.drain()
         if self.job.export_dir is not None:
-            await asyncio.to_thread(
-                save_pretrained,
+            await asyncio.to_thread(self._export, self.job.export_dir)
+        log.info("the %s job finished at step %d", self.job.phase, self.step)
+
+    def _export(self, out: Path) -> None:
+        assert self.learner is not None
+        if self.runtime is None:
+            save_pretrained(
                 self.learner.model,
-                self.job.export_dir,
+                out,
                 source_dir=self.model_dir,
                 policy_version=self.policy_version,
             )
-        log.info("the %s job finished at step %d", self.job.phase, self.step)
+            return
+        from services.trainer.distributed.publishing import export_pretrained
+
+        export_pretrained(
+            self.learner.model,
+            out,
+            source_dir=self.model_dir,
+            policy_version=self.policy_version,
+            runtime=self.runtime,
+        )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -27,9 +28,8 @@ from services.trainer.model import (
 from services.trainer.optim import build_optimizers, clip_and_step, set_learning_rate
 from services.trainer.precision import PrecisionConfig
 
-
-def _mean(values: torch.Tensor) -> float:
-    return float(values.double().mean()) if values.numel() else 0.0
+if TYPE_CHECKING:
+    from services.trainer.distributed.runtime import Runtime
 
 
 class Learner:
@@ -40,15 +40,25 @@ class Learner:
         model: Qwen3MoE,
         job: JobConfig,
         reference: Qwen3MoE | None = None,
+        runtime: Runtime | None = None,
     ) -> None:
+        if runtime is not None and job.optimizer.name == "muon":
+            raise ValueError(
+                "optimizer.name = 'muon' orthogonalizes whole matrices, which FSDP2 shards "
+                "over the ranks; use 'adamw' when the trainer is distributed"
+            )
         self.model = model
         self.job = job
         self.reference = reference
+        self.runtime = runtime
         self.optimizers = build_optimizers(model, job.optimizer)
 
     @classmethod
-    def load(cls, model_dir: Path, job: JobConfig) -> Learner:
-        """The job's model from ``model_dir``, and a reference copy when the KL needs one."""
+    def load(cls, model_dir: Path, job: JobConfig, runtime: Runtime | None = None) -> Learner:
+        """The job's model from ``model_dir``, and a reference copy when the KL needs one.
+
+        With a ``runtime`` both are sharded for this rank (``distributed.parallelize``).
+        """
         settings = job.model
         model = load_pretrained(
             model_dir,
@@ -63,7 +73,13 @@ class Learner:
         reference = None
         if job.phase == "rl" and job.rl.kl_coef > 0:
             reference = copy.deepcopy(model).requires_grad_(False)
-        return cls(model, job, reference)
+        if runtime is not None:
+            from services.trainer.distributed.parallelize import parallelize
+
+            for module in (model, reference):
+                if module is not None:
+                    parallelize(module, runtime.meshes, runtime.device)
+        return cls(model, job, reference, runtime)
 
     def refresh_reference(self) -> None:
         """The reference becomes a copy of the current policy."""
@@ -77,22 +93,42 @@ class Learner:
         if not len(self.model.mtp) or self.job.model.mtp_loss_coef == 0:
             return None, []
         loss, per_head = self.model.mtp_loss(microbatch.inputs, output)
-        return self.job.model.mtp_loss_coef * loss / num_microbatches, per_head
+        # The mean over the microbatches of every replica (each replica's gradients add up).
+        replicas = 1 if self.runtime is None else self.runtime.layout.dp
+        return self.job.model.mtp_loss_coef * loss / (num_microbatches * replicas), per_head
+
+    def _reduce(self, values: list[float], op: Literal["sum", "max"] = "sum") -> list[float]:
+        """``values`` over every rank (as they are in one process)."""
+        return values if self.runtime is None else self.runtime.all_reduce(values, op)
+
+    def _step(self) -> float:
+        max_norm = self.job.optimizer.max_grad_norm
+        if self.runtime is None:
+            return clip_and_step(self.model, self.optimizers, max_norm)
+        return self.runtime.clip_and_step(self.model, self.optimizers, max_norm)
+
+    def _on_device(self, microbatch: Microbatch) -> Microbatch:
+        return microbatch if self.runtime is None else microbatch.to(self.runtime.device)
 
     def rl_step(self, batch: RLBatch, step: int) -> dict[str, float]:
-        """One optimizer step on ``batch``; ``step`` (0-based) sets the warm-up."""
+        """One optimizer step on ``batch``; ``step`` (0-based) sets the warm-up.
+
+        Distributed, ``batch`` holds this rank's microbatches and the step's global
+        statistics (``num_rollouts`` sets the normalizer, the same on every rank); the
+        metrics are those of the whole step.
+        """
         rl = self.job.rl
         lr = set_learning_rate(self.optimizers, self.job.optimizer, step)
         normalizer = max(batch.num_rollouts, 1) * rl.generation_budget_tokens
         layers = self.model.arch.num_layers
         pg = kl = mtp_total = 0.0
-        stats: dict[str, list[torch.Tensor]] = {
-            name: [] for name in ("ratio", "clipped", "k1", "entropy", "mismatch")
-        }
+        sums = dict.fromkeys(("ratio", "clipped", "k1", "entropy", "mismatch"), 0.0)
+        ratio_max = 0.0
         replaced = [0] * layers
-        replayed = tokens = 0
+        replayed = tokens = trained = 0
         self.model.train()
-        for microbatch in batch.microbatches:
+        for local in batch.microbatches:
+            microbatch = self._on_device(local)
             output = self.model(microbatch.inputs)
             rows = microbatch.trained.nonzero()[:, 0]
             targets = microbatch.targets[rows]
@@ -125,36 +161,51 @@ class Learner:
             pg += float(terms.policy_gradient)
             kl += float(terms.kl_penalty)
             assert entropy is not None
-            stats["ratio"].append(terms.importance_ratio)
-            stats["clipped"].append(terms.clipped.float())
-            stats["k1"].append(terms.k1)
-            stats["entropy"].append(entropy)
-            stats["mismatch"].append(
-                (logprobs.detach() - microbatch.behaviour_logprobs[rows]).abs()
-            )
+            mismatch = (logprobs.detach() - microbatch.behaviour_logprobs[rows]).abs()
+            for name, values in (
+                ("ratio", terms.importance_ratio),
+                ("clipped", terms.clipped),
+                ("k1", terms.k1),
+                ("entropy", entropy),
+                ("mismatch", mismatch),
+            ):
+                sums[name] += float(values.double().sum())
+            if rows.numel():
+                ratio_max = max(ratio_max, float(terms.importance_ratio.max()))
             replaced = [a + b for a, b in zip(replaced, output.num_replaced, strict=True)]
             replayed += output.num_replayed
             tokens += microbatch.num_tokens
-        grad_norm = clip_and_step(self.model, self.optimizers, self.job.optimizer.max_grad_norm)
+            trained += int(rows.numel())
+        grad_norm = self._step()
+        names = list(sums)
+        totals = self._reduce(
+            [pg, kl, mtp_total, *sums.values(), replayed, tokens, trained, *replaced]
+        )
+        pg, kl, mtp_total = totals[:3]
+        sums = dict(zip(names, totals[3:8], strict=True))
+        replayed, tokens, trained = (int(value) for value in totals[8:11])
+        replaced = [int(value) for value in totals[11:]]
+        ratio_max = self._reduce([ratio_max], "max")[0]
         choices = max(replayed * self.model.arch.top_k, 1)
-        flat = {
-            name: torch.cat(values) if values else torch.zeros(0) for name, values in stats.items()
-        }
+
+        def mean(name: str) -> float:
+            return sums[name] / trained if trained else 0.0
+
         metrics = {
             "loss": pg + kl + mtp_total,
             "loss_pg": pg,
             "loss_kl": kl,
             "loss_mtp": mtp_total,
-            "kl": _mean(flat["k1"]),
-            "is_ratio_mean": _mean(flat["ratio"]),
-            "is_ratio_max": float(flat["ratio"].max()) if flat["ratio"].numel() else 0.0,
-            "is_clipped_fraction": _mean(flat["clipped"]),
-            "entropy": _mean(flat["entropy"]),
-            "logprob_mismatch": _mean(flat["mismatch"]),
+            "kl": mean("k1"),
+            "is_ratio_mean": mean("ratio"),
+            "is_ratio_max": ratio_max,
+            "is_clipped_fraction": mean("clipped"),
+            "entropy": mean("entropy"),
+            "logprob_mismatch": mean("mismatch"),
             "replay_replacement_rate": sum(replaced) / (choices * layers),
             "replay_token_fraction": replayed / max(tokens, 1),
             "tokens": float(tokens),
-            "tokens_trained": float(flat["k1"].numel()),
+            "tokens_trained": float(trained),
             "grad_norm": grad_norm,
             "lr": lr,
         }
@@ -163,15 +214,20 @@ class Learner:
         return metrics
 
     def sft_step(self, microbatches: Sequence[Microbatch], step: int) -> dict[str, float]:
-        """One optimizer step of next-token loss on the trained tokens of ``microbatches``."""
+        """One optimizer step of next-token loss on the trained tokens of ``microbatches``.
+
+        Distributed, ``microbatches`` are this rank's; the loss is over the whole step's
+        trained tokens.
+        """
         lr = set_learning_rate(self.optimizers, self.job.optimizer, step)
-        num_trained = sum(int(mb.trained.sum()) for mb in microbatches)
+        num_trained = int(self._reduce([sum(int(mb.trained.sum()) for mb in microbatches)])[0])
         if num_trained == 0:
             raise ValueError("an SFT step needs at least one trained token")
         nll = mtp_total = 0.0
         tokens = 0
         self.model.train()
-        for microbatch in microbatches:
+        for local in microbatches:
+            microbatch = self._on_device(local)
             output = self.model(microbatch.inputs)
             rows = microbatch.trained.nonzero()[:, 0]
             logprobs, _ = token_logprobs(self.model, output.hidden[rows], microbatch.targets[rows])
@@ -183,11 +239,12 @@ class Learner:
                 mtp_total += float(mtp_loss.detach())
             loss.backward()
             tokens += microbatch.num_tokens
-        grad_norm = clip_and_step(self.model, self.optimizers, self.job.optimizer.max_grad_norm)
+        grad_norm = self._step()
+        nll, mtp_total, total_tokens = self._reduce([nll, mtp_total, tokens])
         return {
             "loss": nll,
             "loss_mtp": mtp_total,
-            "tokens": float(tokens),
+            "tokens": total_tokens,
             "tokens_trained": float(num_trained),
             "grad_norm": grad_norm,
             "lr": lr,

@@ -5,6 +5,10 @@ trains nothing: GetStatus reports phase "idle" and ListCheckpoints lists what th
 run's checkpoint directory holds. With a job, the job starts with the service and
 GetStatus reports its phase, step, versions and the last step's metrics;
 SaveCheckpoint saves a tagged checkpoint at the next step boundary.
+
+Under torchrun (``WORLD_SIZE`` > 1) ``run`` hands over to
+``services.trainer.distributed.launch``: global rank 0 serves this API for the job, the
+first process of every other node serves its pod's probes and metrics, all ranks train.
 """
 
 from __future__ import annotations
@@ -112,12 +116,18 @@ class TrainerService(Service):
             return
         from services.objectstore.factory import open_store
         from services.reconciler.client import ReconcilerClient
+        from services.trainer.distributed.launch import current_runtime
         from services.trainer.job import TrainingJob
 
+        runtime = current_runtime()
+        leader = runtime is None or runtime.is_leader
         reconciler = (
-            ReconcilerClient(self.channels.get("reconciler")) if job_config.phase == "rl" else None
+            ReconcilerClient(self.channels.get("reconciler"))
+            if job_config.phase == "rl" and leader
+            else None
         )
-        self.job = TrainingJob(self.config, open_store(self.config.object_store), reconciler)
+        store = open_store(self.config.object_store)
+        self.job = TrainingJob(self.config, store, reconciler, runtime)
         self._task = asyncio.create_task(self.job.run())
 
     async def check_ready(self) -> Readiness:
@@ -144,5 +154,12 @@ class TrainerService(Service):
 
 
 def run(config: EtudeConfig) -> None:
-    """Runs the trainer until SIGTERM."""
+    """Runs the trainer until SIGTERM; under torchrun, this process's rank of it."""
+    from services.trainer.distributed.launch import launched_distributed
+
+    if launched_distributed():
+        from services.trainer.distributed.launch import run as run_distributed
+
+        run_distributed(config)
+        return
     run_service(TrainerService, config)

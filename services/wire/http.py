@@ -1,4 +1,5 @@
-"""The HTTP side of every service: /metrics, /healthz, /readyz, /status.json and /."""
+"""The HTTP side of every service: /metrics, /healthz, /readyz, /status.json and /, plus
+whatever pages the service adds (``Service.http_routes``, e.g. the evals report)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ def build_app(service: Service) -> FastAPI:
     def status_page() -> str:
         return _status_page(_status(service))
 
+    service.http_routes(app)
     return app
 
 

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,6 +27,9 @@ from services.config import ServiceConfig, ServiceName
 from services.run_config import EtudeConfig
 from services.wire.client import Channels
 from services.wire.errors import ServiceError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 READINESS = "readiness"
 LIVENESS = "liveness"
@@ -83,6 +86,9 @@ class Service(abc.ABC):
     def status_fields(self) -> dict[str, str]:
         """Key figures shown on the HTTP status page."""
         return {}
+
+    def http_routes(self, app: FastAPI) -> None:  # noqa: B027 - most services add no pages
+        """Adds the service's own pages to its HTTP side, beside the shared ones."""
 
     def classify_error(self, error: Exception) -> ServiceError | None:
         """An expected fault (a dependency down) as the status to answer; None for bugs."""

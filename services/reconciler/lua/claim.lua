@@ -11,6 +11,8 @@ local version = redis.call('GET', P .. ':version') or '0'
 local out = {}
 local claimed = 0
 local capped = false
+local deferred = {}
+local MAX_DEFERRED = 64
 for kind in string.gmatch(ARGV[6], '[^,]+') do
   -- Backpressure: the trainer is not keeping up; do not produce more training data.
   local skip = kind == 'TRAIN' and max_ready > 0 and redis.call('ZCARD', P .. ':ready') >= max_ready
@@ -25,8 +27,12 @@ for kind in string.gmatch(ARGV[6], '[^,]+') do
     local sk = slot_key(sid)
     local s = redis.call('HMGET', sk, 'group', 'state', 'attempts', 'index')
     local gk = group_key(s[1])
-    local g = redis.call('HMGET', gk, 'state', 'start_version', 'task', 'k')
-    if s[2] == 'PENDING' and g[1] == 'RUNNING' then
+    local g = redis.call('HMGET', gk, 'state', 'start_version', 'task', 'k', 'min_policy_version')
+    if s[2] == 'PENDING' and g[1] == 'RUNNING' and tonumber(g[5] or '0') > tonumber(version) then
+      -- Not yet: the group wants a newer policy than the current one. It waits, in order.
+      table.insert(deferred, {P .. ':pending:' .. kind, popped[2], sid})
+      if #deferred >= MAX_DEFERRED then break end
+    elseif s[2] == 'PENDING' and g[1] == 'RUNNING' then
       claimed = claimed + 1
       local token = ARGV[6 + claimed]
       local attempt = tonumber(s[3]) + 1
@@ -45,4 +51,5 @@ for kind in string.gmatch(ARGV[6], '[^,]+') do
     end
   end
 end
+for _, d in ipairs(deferred) do redis.call('ZADD', d[1], d[2], d[3]) end
 return out

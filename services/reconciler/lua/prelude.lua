@@ -36,16 +36,31 @@ local function release_lease(sid, sk)
   if version then redis.call('HINCRBY', P .. ':leased_by_version', version, -1) end
 end
 
+-- Group data of a run is kept this long once nobody will change it again (0 = forever);
+-- the reconciler writes it at start-up (settings.retention_ms).
+local function expire_group(gk, gid, k)
+  local retention = tonumber(redis.call('HGET', P .. ':settings', 'retention_ms') or '0')
+  if retention > 0 then
+    redis.call('PEXPIRE', gk, retention)
+    for i = 0, k - 1 do redis.call('PEXPIRE', slot_key(gid .. '/' .. i), retention) end
+  end
+end
+
 -- After a slot completed or died: a group whose slots are all settled is ready when
--- enough of them completed, dropped otherwise.
+-- enough of them completed, dropped otherwise. Only training groups are handed to the
+-- trainer (the :ready set); an eval group's reader watches it and it then expires.
 local function settle(gid, now)
   local gk = group_key(gid)
-  local g = redis.call('HMGET', gk, 'k', 'n_complete', 'n_dead', 'need', 'state')
+  local g = redis.call('HMGET', gk, 'k', 'n_complete', 'n_dead', 'need', 'state', 'kind')
   local k, done, dead, need = tonumber(g[1]), tonumber(g[2]), tonumber(g[3]), tonumber(g[4])
   if g[5] ~= 'RUNNING' or done + dead < k then return g[5] end
   if done >= need then
     redis.call('HSET', gk, 'ready_at', now)
-    redis.call('ZADD', P .. ':ready', now, gid)
+    if g[6] == 'TRAIN' then
+      redis.call('ZADD', P .. ':ready', now, gid)
+    else
+      expire_group(gk, gid, k)
+    end
     group_state(gid, 'RUNNING', 'READY')
     return 'READY'
   end

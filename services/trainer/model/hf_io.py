@@ -78,21 +78,39 @@ def from_hf(tensors: dict[str, torch.Tensor], arch: Architecture) -> dict[str, t
 
 def to_hf(model: Qwen3MoE, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The model's weights under HF names, per-expert, cast to ``dtype`` (detached copies)."""
-    arch = model.arch
+    return state_to_hf(model.state_dict(), model.arch, dtype)
+
+
+def state_to_hf(
+    state: dict[str, torch.Tensor],
+    arch: Architecture,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    first_expert: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Trainer state-dict tensors -> HF names, per-expert, in ``dtype`` (detached copies).
+
+    ``state`` may hold any subset of the model's tensors, and its fused expert tensors may
+    hold a slice of the experts (``[E', ...]``) whose first is global expert
+    ``first_expert``: what one expert-parallel rank holds and publishes. MTP tensors are
+    left out (not part of the served model).
+    """
     tensors: dict[str, torch.Tensor] = {}
-    for name, param in model.state_dict().items():
+    for name, param in state.items():
         if name.startswith("mtp."):
             continue  # not part of the served model; saved beside it
         if name.endswith(".mlp.experts.gate_up"):
             prefix = name.removesuffix(".gate_up")
             gate, up = param.detach().split(arch.moe_intermediate_size, dim=1)
-            for expert in range(arch.num_experts):
-                tensors[f"{prefix}.{expert}.gate_proj.weight"] = gate[expert].to(dtype).clone()
-                tensors[f"{prefix}.{expert}.up_proj.weight"] = up[expert].to(dtype).clone()
+            for index in range(gate.shape[0]):
+                key = f"{prefix}.{first_expert + index}"
+                tensors[f"{key}.gate_proj.weight"] = gate[index].to(dtype).clone()
+                tensors[f"{key}.up_proj.weight"] = up[index].to(dtype).clone()
         elif name.endswith(".mlp.experts.down"):
             prefix = name.removesuffix(".down")
-            for expert in range(arch.num_experts):
-                tensors[f"{prefix}.{expert}.down_proj.weight"] = param[expert].to(dtype).clone()
+            for index in range(param.shape[0]):
+                key = f"{prefix}.{first_expert + index}.down_proj.weight"
+                tensors[key] = param[index].detach().to(dtype).clone()
         else:
             tensors[name] = param.detach().to(dtype).clone()
     return tensors

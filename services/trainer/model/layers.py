@@ -12,7 +12,7 @@ and with vLLM to bf16 resolution.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +63,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[int]], torch.Tensor]
+"""``(query [T, H, D], key [T, Hkv, D], value [T, Hkv, D], cu_seqlens) -> [T, H, D]``."""
+
+
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: Sequence[int]
+) -> torch.Tensor:
+    """Causal GQA attention within each packed sequence; no token sees another sequence."""
+    outputs = []
+    # One causal attention per sequence: linear in the number of sequences and exactly
+    # the computation a varlen (cu_seqlens) kernel does on GPU.
+    for start, end in itertools.pairwise(cu_seqlens):
+        attended = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1)[None],
+            key[start:end].transpose(0, 1)[None],
+            value[start:end].transpose(0, 1)[None],
+            is_causal=True,
+            enable_gqa=True,
+        )
+        outputs.append(attended[0].transpose(0, 1))
+    return torch.cat(outputs)
+
+
 class Attention(nn.Module):
-    """Causal GQA self-attention with per-head q/k RMSNorm, within each packed sequence."""
+    """Causal GQA self-attention with per-head q/k RMSNorm, within each packed sequence.
+
+    ``core`` computes the attention itself from the rotated queries and keys; context
+    parallelism swaps in one that attends over the whole sequence held by several ranks
+    (``services.trainer.distributed.context_parallel``).
+    """
 
     def __init__(
         self,
@@ -82,6 +110,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
+        self.core: AttentionCore = causal_attention
 
     def forward(
         self,
@@ -96,17 +125,7 @@ class Attention(nn.Module):
         value = linear(x, self.v_proj.weight).view(num_tokens, -1, self.head_dim)
         cos, sin = rope
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
-        outputs = []
-        # One causal attention per sequence: linear in the number of sequences and exactly
-        # the computation a varlen (cu_seqlens) kernel does on GPU.
-        for start, end in itertools.pairwise(cu_seqlens):
-            attended = F.scaled_dot_product_attention(
-                query[start:end].transpose(0, 1)[None],
-                key[start:end].transpose(0, 1)[None],
-                value[start:end].transpose(0, 1)[None],
-                is_causal=True,
-                enable_gqa=True,
-            )
-            outputs.append(attended[0].transpose(0, 1))
-        attended_all = torch.cat(outputs).reshape(num_tokens, self.num_heads * self.head_dim)
-        return linear(attended_all, self.o_proj.weight)
+        attended = self.core(query, key, value, cu_seqlens)
+        return linear(
+            attended.reshape(num_tokens, self.num_heads * self.head_dim), self.o_proj.weight
+        )

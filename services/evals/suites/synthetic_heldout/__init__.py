@@ -1,0 +1,30 @@
+"""synthetic-heldout: the synthetic family's held-out split.
+
+The first ``num_tasks`` held-out tasks of a fixed seed. Behaviours are split by a hash
+that is the same for every seed, so none of these is ever a training behaviour; the
+tasks cycle through the four difficulty levels. Correct means every hidden assert
+passes (the rollout reward is the pass fraction).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.evals.suites import FamilySuite
+
+DEFAULT_NUM_TASKS = 100
+
+
+class SyntheticHeldoutSuite(FamilySuite):
+    """Generated small functions the policy never trained on."""
+
+    name = "synthetic-heldout"
+    family = "synthetic"
+    description = "the synthetic family's held-out split (four difficulty levels)"
+
+    def family_options(self) -> dict[str, Any]:
+        size = self.settings.num_tasks or DEFAULT_NUM_TASKS
+        return {"seed": self.settings.seed, "num_train": 0, "num_heldout": size}
+
+
+SUITE = SyntheticHeldoutSuite

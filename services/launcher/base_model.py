@@ -1,0 +1,237 @@
+"""The base model of a local run: a factory model, continued pretraining, then SFT.
+
+The report's recipe in miniature. ``etude run`` builds it once, at
+``inference.engine.model_dir``, when no model is there:
+
+1. ``init``: ``etude model init`` — a BPE tokenizer trained on the generated code corpus
+   and randomly initialised Qwen3-MoE weights;
+2. ``cpt``: continued pretraining on that corpus (Python modules and harness
+   transcripts), every token trained;
+3. ``sft``: supervised fine-tuning on agent transcripts of synthetic *training* tasks in
+   the harness's exact format (system prompt, task, ``write_file`` with the reference
+   solution, the tool's answer, ``finish``), trained on the assistant's tokens only.
+
+Each stage is a complete HF model directory under ``<model_dir>.stages/`` (written
+aside and renamed), so an interrupted build resumes at the stage it was in. The
+stages use the trainer's own ``Learner`` and data stream: the same code as the
+trainer service's cpt/sft phases, run in-process because nothing else is up yet.
+Held-out tasks never enter the SFT data (the synthetic family splits by behaviour).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from services.config import BaseModelConfig
+
+STAGES = ("init", "cpt", "sft")
+SOLUTION_PATH = "solution.py"
+
+
+def _turn(*pieces: str) -> str:
+    return "".join(pieces)
+
+
+def _call(name: str, arguments: dict[str, Any]) -> str:
+    return "<|tool_call|>" + json.dumps({"name": name, "arguments": arguments}) + "<|/tool_call|>"
+
+
+def transcript_examples(instruction: str, solution: str) -> list[dict[str, str]]:
+    """The SFT examples of one solved task: each assistant turn, after what precedes it.
+
+    The prompt is laid out exactly as ``Harness.prompt`` lays out a context, and the
+    tool's answer exactly as the harness injects it, so SFT trains the turns the model
+    will take in RL.
+    """
+    from services.envs.harness import SYSTEM_PROMPT
+
+    prompt = _turn(
+        "<|system|>",
+        SYSTEM_PROMPT,
+        "<|end_of_turn|><|user|>",
+        instruction,
+        "<|end_of_turn|><|assistant|>",
+    )
+    write = _call("write_file", {"path": SOLUTION_PATH, "content": solution}) + "<|end_of_turn|>"
+    answer = _turn(
+        "<|tool|><|tool_result|>",
+        f"wrote {SOLUTION_PATH} ({len(solution.encode())} bytes)",
+        "<|/tool_result|><|end_of_turn|><|assistant|>",
+    )
+    finish = _call("finish", {"message": "done"}) + "<|end_of_turn|>"
+    return [
+        {"prompt": prompt, "completion": write},
+        {"prompt": prompt + write + answer, "completion": finish},
+    ]
+
+
+def sft_records(seed: int, num_tasks: int) -> Iterator[dict[str, str]]:
+    """SFT examples from the first ``num_tasks`` synthetic training tasks of ``seed``."""
+    from services.envs.families import CANONICAL_KEY
+    from services.envs.families.synthetic import make_task
+
+    for position in range(num_tasks):
+        task = make_task("train", position, seed)
+        yield from transcript_examples(task.instruction, task.metadata[CANONICAL_KEY])
+
+
+@dataclass
+class StageReport:
+    """What one stage did."""
+
+    stage: str
+    steps: int
+    seconds: float
+    first_loss: float
+    last_loss: float
+
+
+def _train_stage(
+    stage: str,
+    source_dir: Path,
+    out: Path,
+    data: dict[str, Any],
+    *,
+    steps: int,
+    lr: float,
+    settings: BaseModelConfig,
+    console: Console,
+) -> StageReport:
+    """``steps`` next-token steps from ``source_dir``; the result saved at ``out``."""
+    import torch
+
+    from services.trainer.config import JobConfig
+    from services.trainer.learner import Learner
+    from services.trainer.model import save_pretrained
+    from services.trainer.sft import ExampleStream, open_source, to_microbatch
+
+    job = JobConfig.model_validate(
+        {
+            "phase": stage,
+            "model": {"compute_dtype": "bfloat16"},
+            "optimizer": {
+                "lr": lr,
+                "warmup_steps": settings.warmup_steps,
+                "weight_decay": 0.0,
+                "max_grad_norm": 1.0,
+            },
+            "data": data,
+            "max_steps": steps,
+            "seed": settings.seed,
+        }
+    )
+    assert job.data is not None
+    torch.manual_seed(settings.seed)
+    learner = Learner.load(source_dir, job)
+    stream = ExampleStream(open_source(job.data, source_dir), job.data.tokens_per_step)
+    started = time.perf_counter()
+    losses: list[float] = []
+    columns = (
+        TextColumn(f"[bold]{stage}[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        bar = progress.add_task(stage, total=steps, loss="-")
+        for step in range(steps):
+            examples = stream.next_batch()
+            if not examples:  # a finite source restarts: several epochs of SFT data
+                stream = ExampleStream(open_source(job.data, source_dir), job.data.tokens_per_step)
+                examples = stream.next_batch()
+            metrics = learner.sft_step([to_microbatch(examples)], step)
+            losses.append(metrics["loss"])
+            progress.update(bar, advance=1, loss=f"{metrics['loss']:.3f}")
+    save_pretrained(learner.model, out, source_dir=source_dir, policy_version=0)
+    return StageReport(stage, steps, time.perf_counter() - started, losses[0], losses[-1])
+
+
+def build_base_model(
+    preset: str, model_dir: Path, settings: BaseModelConfig, console: Console
+) -> list[StageReport]:
+    """Builds the model at ``model_dir`` (the SFT stage's output); resumes finished stages."""
+    from services.model_factory.build import init_model
+
+    stages = model_dir.parent / f"{model_dir.name}.stages"
+    stages.mkdir(parents=True, exist_ok=True)
+    reports: list[StageReport] = []
+    init_dir, cpt_dir = stages / "init", stages / "cpt"
+    if not (init_dir / "config.json").is_file():
+        with console.status(f"creating a {preset} model") as status:
+            init_model(
+                preset,  # type: ignore[arg-type]
+                init_dir,
+                seed=settings.seed,
+                overwrite=True,
+                progress=lambda message: status.update(message),
+            )
+        console.print(f"base model: created the {preset} factory model at {init_dir}")
+    if not (cpt_dir / "config.json").is_file():
+        reports.append(
+            _train_stage(
+                "cpt",
+                init_dir,
+                cpt_dir,
+                {
+                    "kind": "corpus",
+                    "seed": settings.seed,
+                    "tokens_per_step": settings.tokens_per_step,
+                    "max_seq_len": settings.max_seq_len,
+                },
+                steps=settings.cpt_steps,
+                lr=settings.cpt_lr,
+                settings=settings,
+                console=console,
+            )
+        )
+    data_file = stages / "sft.jsonl"
+    partial = data_file.with_suffix(".jsonl.partial")
+    with partial.open("w") as out:
+        for record in sft_records(settings.seed, settings.sft_tasks):
+            out.write(json.dumps(record) + "\n")
+    partial.replace(data_file)
+    reports.append(
+        _train_stage(
+            "sft",
+            cpt_dir,
+            model_dir,
+            {
+                "kind": "jsonl",
+                "path": str(data_file),
+                "tokens_per_step": settings.tokens_per_step,
+                "max_seq_len": settings.max_seq_len,
+            },
+            steps=settings.sft_steps,
+            lr=settings.sft_lr,
+            settings=settings,
+            console=console,
+        )
+    )
+    for report in reports:
+        console.print(
+            f"base model: {report.stage} {report.steps} steps in {report.seconds:.0f} s, "
+            f"loss {report.first_loss:.3f} -> {report.last_loss:.3f}"
+        )
+    return reports
+
+
+def stage_dirs(model_dir: Path) -> dict[str, Path]:
+    """Where each stage's model lives (``sft`` is ``model_dir`` itself)."""
+    stages = model_dir.parent / f"{model_dir.name}.stages"
+    return {"init": stages / "init", "cpt": stages / "cpt", "sft": model_dir}
+
+
+def remove_base_model(model_dir: Path) -> None:
+    """Deletes the model and its stages (``etude run --fresh --rebuild-model``)."""
+    for path in (model_dir, model_dir.parent / f"{model_dir.name}.stages"):
+        shutil.rmtree(path, ignore_errors=True)
