@@ -67,11 +67,24 @@ def run(
     exit_when_ready: Annotated[
         bool, typer.Option(help="Stop everything once all services are ready (a smoke check).")
     ] = False,
+    fresh: Annotated[
+        bool,
+        typer.Option(help="Forget the run (Redis keys, checkpoints, weights, evals) first."),
+    ] = False,
+    sync: Annotated[
+        bool,
+        typer.Option(help="Synchronous RL: one batch generated per version, then trained."),
+    ] = False,
 ) -> None:
-    """Start Redis, the object store and the five services locally; Ctrl-C stops them."""
+    """The main job: base model, services, async RL with evals, report; Ctrl-C stops it.
+
+    Running it again resumes the run (trainer checkpoint, reconciler state, data cursor)
+    unless --fresh. Without [trainer.job] in the config it only brings the services up.
+    """
     from services.launcher.run import run_local
 
-    raise typer.Exit(run_local(_load(config), config, exit_when_ready=exit_when_ready))
+    code = run_local(_load(config), config, exit_when_ready=exit_when_ready, fresh=fresh, sync=sync)
+    raise typer.Exit(code)
 
 
 @model_app.command("init")

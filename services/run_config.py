@@ -107,3 +107,38 @@ def load_config(path: Path | str | None, environ: Mapping[str, str] | None = Non
             data = tomllib.load(handle)
     data = apply_env_overrides(data, os.environ if environ is None else environ)
     return EtudeConfig.model_validate(data)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str | Path):
+        return json.dumps(str(value))  # a JSON string is a TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        pairs = (f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items())
+        return "{ " + ", ".join(pairs) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def dumps_toml(data: Mapping[str, Any], _table: tuple[str, ...] = ()) -> str:
+    """``data`` (as ``tomllib`` reads it) as TOML text: scalars first, then subtables.
+
+    Written configs (benchmarks, tests) start from a file's data and change fields,
+    rather than appending to it (TOML forbids a table defined twice).
+    """
+    lines: list[str] = []
+    tables = {k: v for k, v in data.items() if isinstance(v, Mapping)}
+    for key, value in data.items():
+        if key not in tables and value is not None:
+            lines.append(f"{json.dumps(key)} = {_toml_value(value)}")
+    text = ""
+    if _table and lines:
+        text += "[" + ".".join(json.dumps(part) for part in _table) + "]\n"
+    text += "".join(line + "\n" for line in lines)
+    for key, value in tables.items():
+        text += dumps_toml(value, (*_table, key))
+    return text

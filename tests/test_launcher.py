@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -26,7 +27,12 @@ def _alive(pid: int) -> bool:
 
 def test_etude_run_brings_everything_up_and_down(tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
-    write_config(config, model_dir=tmp_path / "models" / "tiny", state_dir=tmp_path / "state")
+    write_config(
+        config,
+        model_dir=tmp_path / "models" / "tiny",
+        state_dir=tmp_path / "state",
+        extra={"launcher.base_model": ["cpt_steps = 1", "sft_steps = 1", "sft_tasks = 8"]},
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETUDE_")}
     # No Redis at this URL: the launcher must start its own.
     env["ETUDE_REDIS__URL"] = "redis://127.0.0.1:1/0"
@@ -40,7 +46,9 @@ def test_etude_run_brings_everything_up_and_down(tmp_path: Path) -> None:
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "created tiny model" in output  # the model did not exist: the launcher made it
+    # The model did not exist: the launcher built it (factory model, CPT, SFT).
+    assert "created the tiny factory model" in output
+    assert re.search(r"base model: sft 1 steps", output), output
     assert "started a private redis-server" in output
     assert re.search(r"all 5 services ready in [\d.]+ s", output), output
     stopped = re.findall(r"stopped (\w+) \(pid (\d+)\)(?:: exit (-?\d+))?", output)
@@ -68,3 +76,75 @@ def test_private_redis_keeps_an_append_only_file(tmp_path: Path) -> None:
         process.stop(5)
     assert not redis_answers(url, 0.2)
     assert any((tmp_path / "redis").rglob("*.aof*"))
+
+
+def test_written_toml_reads_back_as_the_same_config(tmp_path: Path) -> None:
+    import tomllib
+
+    from services.run_config import dumps_toml, load_config
+
+    data = tomllib.loads((REPO / "configs" / "local.toml").read_text())
+    data["evals"]["suites"]["humaneval"]["enabled"] = False
+    text = dumps_toml(data)
+    assert tomllib.loads(text) == data
+    path = tmp_path / "written.toml"
+    path.write_text(text)
+    config = load_config(path, environ={})
+    assert config.evals.suites["humaneval"].enabled is False
+    assert config.trainer.job is not None and config.trainer.job.phase == "rl"
+
+
+def test_step_records_keep_the_newest_of_a_retrained_step(tmp_path: Path) -> None:
+    from services.launcher.observe import read_steps
+
+    path = tmp_path / "steps.jsonl"
+    lines = [
+        {"step": 1, "version": 1, "group_ids": ["a"], "loss": 1.0},
+        {"step": 2, "version": 2, "group_ids": ["b"], "loss": 2.0},
+        # The trainer died after step 2 and resumed from step 1's checkpoint.
+        {"step": 2, "version": 2, "group_ids": ["b"], "loss": 2.5},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 3, "ver')
+    steps = read_steps(path)
+    assert [s["step"] for s in steps] == [1, 2]
+    assert steps[1]["loss"] == 2.5
+    assert read_steps(tmp_path / "missing.jsonl") == []
+
+
+def test_summary_counts_groups_staleness_and_versions(tmp_path: Path) -> None:
+    from services.launcher.observe import Snapshot
+    from services.launcher.summary import summarize, write_report
+    from services.objectstore.local import FileObjectStore
+
+    steps = [
+        {
+            "step": step,
+            "version": step,
+            "group_ids": [f"g{step}a", f"g{step}b"],
+            "staleness": [0, step % 2],
+            "rollout_versions": [step - 1, step],
+            "rollouts_spanning_versions": 1,
+            "reward_total_mean": 0.1 * step,
+            "reward_task_mean": 0.1 * step,
+            "rollouts": 4.0,
+            "time_wait_s": 1.0,
+            "time_compute_s": 3.0,
+            "time": 100.0 + 10 * step,
+        }
+        for step in (1, 2, 3)
+    ]
+    shot = Snapshot(taken_at=0.0, steps=steps, evals={})
+    store = FileObjectStore(tmp_path / "store")
+    summary = summarize("r", shot, store)
+    assert summary.steps == 3 and summary.groups_trained == 6
+    assert summary.groups_trained_twice == 0 and summary.rollouts_trained == 12
+    assert summary.staleness == {0: 4, 1: 2}
+    assert summary.versions_published == [1, 2, 3]
+    assert summary.versions_served == 4  # versions 0..3 appear in rollouts
+    assert summary.trainer_wait_fraction == 0.25
+    assert summary.seconds_per_step == 10.0
+    assert summary.reward_curve == [(1, 0.1), (2, 0.2), (3, 0.30000000000000004)]
+    page = write_report(tmp_path / "report", summary, shot, {})
+    assert (tmp_path / "report" / "reward.png").stat().st_size > 0
+    assert "reward.png" in page.read_text()
+    assert json.loads((tmp_path / "report" / "summary.json").read_text())["steps"] == 3

@@ -77,9 +77,12 @@ async def check_counts(store: SlotStore) -> dict[str, int]:
         state = (await store.redis.hget(key, "state")).decode()
         actual[f"slot:{state}"] = actual.get(f"slot:{state}", 0) + 1
     async for key in store.redis.scan_iter(match=f"{store.prefix}:group:*"):
-        state = (await store.redis.hget(key, "state")).decode()
+        state, kind = [v.decode() for v in await store.redis.hmget(key, "state", "kind")]
         actual[f"group:{state}"] = actual.get(f"group:{state}", 0) + 1
-    recorded = {k: v for k, v in counts.items() if k.startswith(("slot:", "group:")) and v}
+        if kind == "TRAIN":
+            actual[f"train_group:{state}"] = actual.get(f"train_group:{state}", 0) + 1
+    prefixes = ("slot:", "group:", "train_group:")
+    recorded = {k: v for k, v in counts.items() if k.startswith(prefixes) and v}
     assert recorded == actual
     return counts
 
@@ -251,6 +254,28 @@ async def test_backpressure_caps() -> None:
         assert await store.claim("w", [TRAIN], 10, 5) == []
         await store.pull("trainer", 1, 1, 0, partial=False)
         assert len(await store.claim("w", [TRAIN], 10, 5)) == 2  # 1 still leased + 2 = cap 3
+    finally:
+        await drop_run(store)
+
+
+async def test_groups_per_version_cap_makes_generation_wait_for_the_next_version() -> None:
+    store, _ = await make_store(max_groups_per_version=2)
+    try:
+        groups = await store.submit([spec(k=2) for _ in range(3)])
+        first = await store.claim("w", [], 10, 5)
+        # Two groups start under version 0; the third waits for version 1.
+        assert sorted({s.lease.group_id for s in first}) == sorted(groups[:2])
+        assert len(first) == 4
+        assert await store.claim("w", [], 10, 5) == []
+        # A retried slot of a started group is not held back by the cap.
+        await store.fail(first[0].lease.slot_id, first[0].lease.lease_token, "boom", True)
+        (retried,) = await store.claim("w", [], 10, 5)
+        assert retried.lease.slot_id == first[0].lease.slot_id
+        await store.publish_version(common_pb2.PolicyVersionNotice(version=1, manifest_key="m1"))
+        third = await store.claim("w", [], 10, 5)
+        assert {s.lease.group_id for s in third} == {groups[2]}
+        assert {s.start_policy_version for s in third} == {1}
+        await check_counts(store)
     finally:
         await drop_run(store)
 

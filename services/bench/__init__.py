@@ -16,9 +16,11 @@ from typing import Any
 
 # name -> "module:function"; imported only when run, so `etude --help` stays fast.
 BENCHMARKS: dict[str, str] = {
+    "e2e": "services.bench.e2e:run",
     "envs": "services.bench.envs:run",
     "grpc": "services.bench.grpc_overhead:run",
     "inference": "services.bench.inference:run",
+    "packing": "services.bench.packing:run",
     "quant": "services.bench.quant:run",
     "reconciler": "services.bench.reconciler:run",
     "replay": "services.bench.replay:run",

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 import zlib
 
+import grpc
 import numpy as np
 from grpc import aio
 
 from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.envs.harness import Generation
+
+log = logging.getLogger(__name__)
 
 _INDEX_DTYPES = {common_pb2.INDEX_DTYPE_UINT8: "<u1", common_pb2.INDEX_DTYPE_INT16: "<i2"}
 
@@ -22,12 +28,25 @@ def unpack_routing(routed: common_pb2.RoutedExperts) -> np.ndarray | None:
 
 
 class InferenceGenerator:
-    """Calls InferenceService.Generate with the rollout's sampling settings."""
+    """Calls InferenceService.Generate with the rollout's sampling settings.
 
-    def __init__(self, channel: aio.Channel, temperature: float, seed: int) -> None:
+    A replica that is UNAVAILABLE (restarting, still loading, gone mid-stream) is waited
+    for, with backoff, up to ``unavailable_wait_s``; the call then starts over (tokens of a
+    broken stream are dropped). Counting such a fault as a failed rollout attempt would
+    burn the slot's attempts in a second while a replica restarts.
+    """
+
+    def __init__(
+        self,
+        channel: aio.Channel,
+        temperature: float,
+        seed: int,
+        unavailable_wait_s: float = 300.0,
+    ) -> None:
         self.stub = inference_pb2_grpc.InferenceServiceStub(channel)
         self.temperature = temperature
         self.seed = seed
+        self.unavailable_wait_s = unavailable_wait_s
         self.calls = 0
 
     async def __call__(self, prompt: list[int], max_tokens: int, stop: list[int]) -> Generation:
@@ -43,6 +62,19 @@ class InferenceGenerator:
             ),
             return_routed_experts=True,
         )
+        deadline = time.monotonic() + self.unavailable_wait_s
+        delay = 0.25
+        while True:
+            try:
+                return await self._generate(request)
+            except aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                log.info("inference unavailable (%s); retrying in %.1f s", error.details(), delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _generate(self, request: inference_pb2.GenerateRequest) -> Generation:
         token_ids: list[int] = []
         logprobs: list[float] = []
         last = inference_pb2.GenerateResponse()

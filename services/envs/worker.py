@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api.v1 import common_pb2, reconciler_pb2
 from services.envs.harness import Harness, HarnessConfig
@@ -69,6 +70,27 @@ class RolloutWorker:
         self._snapshot_lock = asyncio.Lock()
         self.active = 0
         self.completed = 0
+        self._inference_health = health_pb2_grpc.HealthStub(inference)
+        self._inference_ready_until = 0.0
+
+    async def inference_ready(self) -> bool:
+        """Whether inference is ready to generate (answers are trusted for a second).
+
+        Workers claim only while it is: a slot claimed during an inference restart would
+        only wait for it, holding work other replicas' workers could do.
+        """
+        if time.monotonic() < self._inference_ready_until:
+            return True
+        try:
+            answer = await self._inference_health.Check(
+                health_pb2.HealthCheckRequest(service="readiness"), timeout=2.0
+            )
+        except aio.AioRpcError:
+            return False
+        if answer.status != health_pb2.HealthCheckResponse.SERVING:
+            return False
+        self._inference_ready_until = time.monotonic() + 1.0
+        return True
 
     async def run(self, concurrency: int, idle_s: float = 0.5) -> None:
         """Claims and runs slots until cancelled."""
@@ -76,6 +98,9 @@ class RolloutWorker:
 
     async def _loop(self, idle_s: float) -> None:
         while True:
+            if not await self.inference_ready():
+                await asyncio.sleep(idle_s)
+                continue
             try:
                 claimed = await self.reconciler.claim(
                     self.worker_id, 1, lease_ttl_s=self.lease_ttl_s

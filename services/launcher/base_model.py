@@ -153,7 +153,8 @@ def _train_stage(
             losses.append(metrics["loss"])
             progress.update(bar, advance=1, loss=f"{metrics['loss']:.3f}")
     save_pretrained(learner.model, out, source_dir=source_dir, policy_version=0)
-    return StageReport(stage, steps, time.perf_counter() - started, losses[0], losses[-1])
+    first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
+    return StageReport(stage, steps, time.perf_counter() - started, first, last)
 
 
 def build_base_model(

@@ -94,6 +94,13 @@ class ReconcilerConfig(ServiceConfig):
     max_leased_per_version: int = Field(
         0, ge=0, description="Cap on slots leased under one policy version; 0 is no cap."
     )
+    max_groups_per_version: int = Field(
+        0,
+        ge=0,
+        description="Training groups started (first leased) under one policy version; 0 is no "
+        "cap. With max_staleness = 0 and this equal to the trainer's groups per step, RL is "
+        "synchronous: one batch is generated per version, then trained (`etude run --sync`).",
+    )
     max_ready_groups: int = Field(
         0, ge=0, description="Stop leasing training slots while this many groups await the trainer."
     )

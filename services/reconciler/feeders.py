@@ -93,7 +93,8 @@ def build_feeder(config: FeederConfig) -> TaskFeeder:
 async def top_up(store: SlotStore, feeder: TaskFeeder, config: FeederConfig) -> int:
     """Submits groups until `target_in_flight` are submitted-but-unconsumed; returns how many."""
     counts = await store.counts()
-    in_flight = counts.get("group:RUNNING", 0) + counts.get("group:READY", 0)
+    # Its own (training) groups only: eval groups stay READY until they expire.
+    in_flight = counts.get("train_group:RUNNING", 0) + counts.get("train_group:READY", 0)
     wanted = config.target_in_flight - in_flight
     if wanted <= 0:
         return 0

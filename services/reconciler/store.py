@@ -149,6 +149,7 @@ class SlotStore:
             max_slots,
             self.config.max_leased_per_version,
             self.config.max_ready_groups,
+            self.config.max_groups_per_version,
             ",".join(order),
             *tokens,
         )

@@ -69,6 +69,21 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def version_provenance(groups: Sequence[reconciler_pb2.Group], version: int) -> dict[str, Any]:
+    """Which policy versions a batch came from, for the step's record: each group's
+    staleness (``version`` minus the version it started under), the versions its
+    rollouts' tokens came from, and how many rollouts span more than one version."""
+    rollouts = [r for group in groups for r in group.rollouts]
+    versions = {v for r in rollouts for v in (r.min_policy_version, r.max_policy_version)}
+    return {
+        "staleness": [max(version - group.start_policy_version, 0) for group in groups],
+        "rollout_versions": sorted(versions),
+        "rollouts_spanning_versions": sum(
+            1 for r in rollouts if r.max_policy_version > r.min_policy_version
+        ),
+    }
+
+
 def checkpoint_root(config: EtudeConfig) -> Path:
     """Where the run's checkpoints live."""
     return config.trainer.checkpoint_dir or config.run.state_dir / "checkpoints" / config.run.name
@@ -343,10 +358,17 @@ class TrainingJob:
             waited = time.perf_counter() - started
             started = time.perf_counter()
             batch = await asyncio.to_thread(self._prepare, answer.groups)
+            provenance = version_provenance(answer.groups, self.policy_version)
             step_metrics = await asyncio.to_thread(self.learner.rl_step, batch, self.step)
             group_ids = [group.group_id for group in answer.groups]
             await self._end_rl_step(
-                batch, step_metrics, group_ids, answer.num_stale_dropped, waited, started
+                batch,
+                step_metrics,
+                group_ids,
+                answer.num_stale_dropped,
+                waited,
+                started,
+                provenance,
             )
 
     async def _end_rl_step(
@@ -357,6 +379,7 @@ class TrainingJob:
         num_stale_dropped: int,
         waited: float,
         started: float,
+        provenance: dict[str, Any] | None = None,
     ) -> None:
         computed = time.perf_counter() - started
         step_metrics |= metrics.batch_metrics(batch, num_stale_dropped) | {
@@ -368,7 +391,12 @@ class TrainingJob:
         metrics.STEP_SECONDS.labels("wait").observe(waited)
         metrics.STEP_SECONDS.labels("compute").observe(computed)
         self.uncommitted.extend(group_ids)
-        await self._after_step(step_metrics, {"group_ids": group_ids})
+        record: dict[str, Any] = {"group_ids": group_ids, "time": time.time()}
+        if provenance:
+            staleness = provenance["staleness"]
+            step_metrics["staleness_mean"] = sum(staleness) / max(len(staleness), 1)
+            record |= provenance
+        await self._after_step(step_metrics, record)
 
     async def _run_rl_distributed(self) -> None:
         """The RL loop on every rank: rank 0 pulls and plans, every rank trains its share."""

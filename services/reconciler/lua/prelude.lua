@@ -26,6 +26,11 @@ local function group_state(gid, old, new)
   redis.call('HSET', group_key(gid), 'state', new)
   count('group', old, -1)
   count('group', new, 1)
+  if redis.call('HGET', group_key(gid), 'kind') == 'TRAIN' then
+    -- Training groups by state too: the feeder keeps its own groups in flight.
+    count('train_group', old, -1)
+    count('train_group', new, 1)
+  end
   redis.call('PUBLISH', P .. ':events', gid .. ' ' .. new)
 end
 

@@ -30,6 +30,7 @@ for g = 0, n - 1 do
       redis.call('ZADD', P .. ':pending:' .. kind, score, sid)
     end
     count('group', 'RUNNING', 1)
+    if kind == 'TRAIN' then count('train_group', 'RUNNING', 1) end
     count('slot', 'PENDING', k)
     table.insert(out, gid)
   end

@@ -71,10 +71,13 @@ def measure(
         )
     for length in usable:  # warm-up: the first call at a shape picks (and caches) kernels
         _seconds(layer, arch, length, dtype, device)
-    return {
-        length: min(_seconds(layer, arch, length, dtype, device) for _ in range(repeats))
-        for length in usable
-    }
+    best = dict.fromkeys(usable, float("inf"))
+    # Rounds over every length, so that a burst of load elsewhere spoils one round, not
+    # every repeat of one length.
+    for _ in range(repeats):
+        for length in usable:
+            best[length] = min(best[length], _seconds(layer, arch, length, dtype, device))
+    return best
 
 
 def fit(seconds: dict[int, float]) -> CostModel:

@@ -1,0 +1,263 @@
+"""The end of a local run: what it trained, how it went, and the report.
+
+``summarize`` turns the trainer's step records, the eval results and the published
+manifests into one ``RunSummary`` (also ``summary.json``); ``write_report`` writes the
+evals report (HTML + a PNG per metric) with the run's own plots beside it (reward curve,
+staleness histogram) into ``<state_dir>/report``; ``print_summary`` shows it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from rich.console import Console
+from rich.table import Table
+
+from services.evals.record import EvalRecord
+from services.evals.report import render
+from services.launcher.observe import Snapshot
+from services.objectstore.base import ObjectStore
+from services.weights.manifest import Layout, Manifest
+
+
+@dataclass
+class SuiteScores:
+    """pass@1 of one suite at the first and last evaluated versions."""
+
+    suite: str
+    first_version: int
+    first_pass_at_1: float
+    last_version: int
+    last_pass_at_1: float
+    num_tasks: int
+    num_samples: int
+
+    @property
+    def gain_points(self) -> float:
+        """Last minus first, in percentage points."""
+        return 100.0 * (self.last_pass_at_1 - self.first_pass_at_1)
+
+
+@dataclass
+class RunSummary:
+    """What ``etude run`` prints and writes as ``summary.json``."""
+
+    run: str
+    steps: int
+    groups_trained: int
+    rollouts_trained: int
+    groups_trained_twice: int
+    versions_published: list[int]
+    versions_served: int
+    rollouts_spanning_versions: int
+    staleness: dict[int, int]
+    reward_curve: list[tuple[int, float]]
+    suites: list[SuiteScores]
+    weight_sync_bytes_ratio: float | None
+    weight_versions_delta: int
+    update_pauses: int
+    mean_update_pause_s: float | None
+    trainer_wait_fraction: float | None
+    seconds_per_step: float | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """The summary as indented JSON."""
+        data = asdict(self)
+        data["staleness"] = {str(k): v for k, v in self.staleness.items()}
+        for suite, scores in zip(data["suites"], self.suites, strict=True):
+            suite["gain_points"] = scores.gain_points
+        return json.dumps(data, indent=2, sort_keys=True)
+
+
+def manifests(store: ObjectStore, run: str) -> list[Manifest]:
+    """Every published version's manifest, oldest first."""
+    layout = Layout(run)
+    found = []
+    for key in store.list(layout.root + "/"):
+        if layout.parse_version(key) is not None:
+            found.append(Manifest.model_validate_json(store.get(key)))
+    return sorted(found, key=lambda m: m.version)
+
+
+def suite_scores(evals: Mapping[str, Mapping[int, EvalRecord]]) -> list[SuiteScores]:
+    """First vs last evaluated version of each suite."""
+    scores = []
+    for suite in sorted(evals):
+        versions = evals[suite]
+        if not versions:
+            continue
+        first, last = versions[min(versions)], versions[max(versions)]
+        scores.append(
+            SuiteScores(
+                suite,
+                first.policy_version,
+                first.pass_at_1,
+                last.policy_version,
+                last.pass_at_1,
+                last.num_tasks,
+                last.num_samples,
+            )
+        )
+    return scores
+
+
+def summarize(run: str, shot: Snapshot, store: ObjectStore) -> RunSummary:
+    """The run's figures from one final snapshot and the store."""
+    steps = shot.steps
+    trained: Counter[str] = Counter(g for record in steps for g in record.get("group_ids", []))
+    staleness: Counter[int] = Counter(s for record in steps for s in record.get("staleness", []))
+    published = manifests(store, run)
+    deltas = [m for m in published if not m.keyframe]
+    ratio = (
+        sum(m.stored_bytes for m in deltas) / sum(m.raw_bytes for m in deltas) if deltas else None
+    )
+    waits = sum(float(r.get("time_wait_s", 0.0)) for r in steps)
+    computes = sum(float(r.get("time_compute_s", 0.0)) for r in steps)
+    wall = [float(r["time"]) for r in steps if "time" in r]
+    return RunSummary(
+        run=run,
+        steps=len(steps),
+        groups_trained=len(trained),
+        rollouts_trained=int(sum(float(r.get("rollouts", 0.0)) for r in steps)),
+        groups_trained_twice=sum(1 for count in trained.values() if count > 1),
+        # Retention may have removed old manifests: the trainer's records and the evals
+        # (which score published versions only) remember them.
+        versions_published=sorted(
+            {m.version for m in published}
+            | {int(r["version"]) for r in steps if "version" in r}
+            | {v for versions in shot.evals.values() for v in versions}
+        ),
+        versions_served=len({int(v) for r in steps for v in r.get("rollout_versions", [])}),
+        rollouts_spanning_versions=int(sum(r.get("rollouts_spanning_versions", 0) for r in steps)),
+        staleness=dict(sorted(staleness.items())),
+        reward_curve=[
+            (int(r["step"]), float(r["reward_total_mean"]))
+            for r in steps
+            if "reward_total_mean" in r
+        ],
+        suites=suite_scores(shot.evals),
+        weight_sync_bytes_ratio=ratio,
+        weight_versions_delta=len(deltas),
+        update_pauses=shot.update_pauses,
+        mean_update_pause_s=shot.last_update_pause_s,
+        trainer_wait_fraction=waits / (waits + computes) if waits + computes > 0 else None,
+        seconds_per_step=(wall[-1] - wall[0]) / (len(wall) - 1) if len(wall) > 1 else None,
+    )
+
+
+def _png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def reward_plot(steps: Sequence[Mapping[str, Any]]) -> bytes:
+    """Mean reward and its parts against step."""
+    figure = Figure(figsize=(6.4, 3.4), dpi=100, layout="constrained")
+    axes = figure.add_subplot()
+    names = sorted({k for r in steps for k in r if k.startswith("reward_") and k.endswith("_mean")})
+    for name in names:
+        points = [(r["step"], r[name]) for r in steps if name in r]
+        label = name.removeprefix("reward_").removesuffix("_mean")
+        axes.plot(*zip(*points, strict=True), label=label, linewidth=2 if label == "total" else 1)
+    axes.set_title("training reward by part")
+    axes.set_xlabel("step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.grid(alpha=0.3)
+    if names:
+        axes.legend(fontsize="small")
+    return _png(figure)
+
+
+def staleness_plot(staleness: Mapping[int, int]) -> bytes:
+    """How many policy versions old the trained groups were."""
+    figure = Figure(figsize=(6.4, 3.0), dpi=100, layout="constrained")
+    axes = figure.add_subplot()
+    axes.bar([str(k) for k in staleness], list(staleness.values()))
+    axes.set_title("staleness of trained groups (policy versions)")
+    axes.set_xlabel("versions behind the trainer when trained")
+    axes.set_ylabel("groups")
+    return _png(figure)
+
+
+def write_report(
+    out: Path, summary: RunSummary, shot: Snapshot, records: Mapping[str, Sequence[EvalRecord]]
+) -> Path:
+    """Writes the evals report, the run's plots and summary.json; returns index.html."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = render(summary.run, records)
+    files["reward.png"] = reward_plot(shot.steps)
+    files["staleness.png"] = staleness_plot(summary.staleness)
+    files["summary.json"] = summary.to_json().encode()
+    page = files["index.html"].decode()
+    extra = (
+        '<h2>Training</h2><p><img src="reward.png" alt="reward"> '
+        '<img src="staleness.png" alt="staleness"></p>'
+        '<p><a href="summary.json">summary.json</a></p>'
+    )
+    files["index.html"] = page.replace("</body>", extra + "</body>", 1).encode()
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    return out / "index.html"
+
+
+def print_summary(console: Console, summary: RunSummary, report: Path | None) -> None:
+    """The table at the end of ``etude run``."""
+    table = Table(title=f"run {summary.run}", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for scores in summary.suites:
+        table.add_row(
+            f"{scores.suite} pass@1",
+            f"v{scores.first_version} {scores.first_pass_at_1:.3f} -> "
+            f"v{scores.last_version} {scores.last_pass_at_1:.3f} "
+            f"({scores.gain_points:+.1f} points; {scores.num_tasks} tasks x {scores.num_samples})",
+        )
+    curve = summary.reward_curve
+    if curve:
+        table.add_row(
+            "mean reward",
+            f"step {curve[0][0]} {curve[0][1]:+.3f} -> step {curve[-1][0]} {curve[-1][1]:+.3f}",
+        )
+    table.add_row(
+        "steps / groups trained",
+        f"{summary.steps} / {summary.groups_trained} "
+        f"({summary.rollouts_trained} rollouts, {summary.groups_trained_twice} twice)",
+    )
+    versions = summary.versions_published
+    table.add_row(
+        "versions published",
+        f"{len(versions)} (v{versions[0]}..v{versions[-1]})" if versions else "0",
+    )
+    table.add_row("rollouts spanning versions", str(summary.rollouts_spanning_versions))
+    table.add_row(
+        "staleness (versions: groups)",
+        "  ".join(f"{k}: {v}" for k, v in summary.staleness.items()) or "-",
+    )
+    if summary.weight_sync_bytes_ratio is not None:
+        table.add_row(
+            "weight sync bytes (delta / raw)",
+            f"{summary.weight_sync_bytes_ratio:.4f} over {summary.weight_versions_delta} "
+            "delta versions",
+        )
+    if summary.mean_update_pause_s is not None:
+        table.add_row(
+            "inference update pauses",
+            f"{summary.update_pauses}, mean {summary.mean_update_pause_s:.3f} s",
+        )
+    if summary.trainer_wait_fraction is not None:
+        table.add_row("trainer waiting for data", f"{100 * summary.trainer_wait_fraction:.0f}%")
+    if summary.seconds_per_step is not None:
+        table.add_row("seconds per step", f"{summary.seconds_per_step:.1f}")
+    console.print(table)
+    if report is not None:
+        console.print(f"report: {report}")

@@ -1,0 +1,190 @@
+"""The main job in miniature: `etude run` on the tiny model, through the real services.
+
+Builds the tiny base model (CPT + SFT), scores it as version 0, runs a few asynchronous
+RL steps with evals, writes the report — while the test kills the envs process and the
+inference replica (SIGKILL of their process groups, as when a pod dies). The launcher
+restarts them; the run still ends with every group trained exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from services.launcher.observe import read_steps
+from services.reconciler.store import run_prefix
+from tests.conftest import REPO, write_config
+from tests.reconciler_support import REDIS_URL
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MAX_STEPS = 12
+GROUPS_PER_STEP = 2
+
+
+def e2e_config(path: Path, state: Path, run_name: str) -> None:
+    """A tiny, fast main job (the shape of configs/local.toml)."""
+    write_config(
+        path,
+        model_dir=state / "models" / "tiny",
+        state_dir=state,
+        run_name=run_name,
+        extra={
+            "redis": [f'url = "{REDIS_URL}"'],
+            "reconciler": ["max_staleness = 2", 'stale_policy = "requeue"', "lease_ttl_s = 5"],
+            "reconciler.feeder": [
+                'kind = "generator"',
+                'generator = "services.envs.families.synthetic:task_at"',
+                # One step ahead: the next batch is generated while the trainer trains
+                # and publishes, so versions change under rollouts in flight.
+                "num_samples = 4",
+                "target_in_flight = 2",
+                "interval_s = 0.5",
+            ],
+            "envs": ["workers = 6", "lease_ttl_s = 5"],
+            # Rollouts of several turns (a message without a tool call gets a reminder),
+            # so weight updates land while rollouts are under way.
+            "envs.harness": [
+                "max_turns = 6",
+                "max_tokens_per_turn = 48",
+                "max_total_tokens = 288",
+                "command_timeout_s = 10",
+                "require_finish = true",
+                "context_tokens = 1024",
+            ],
+            # One sequence at a time: inference is the bottleneck, as at scale, so a
+            # rollout's turns queue and the trainer publishes versions while it runs.
+            "inference.engine": ["max_model_len = 1024", "max_num_seqs = 1"],
+            "inference": ["follow_weights = true"],
+            "trainer.job": [
+                'phase = "rl"',
+                f"max_steps = {MAX_STEPS}",
+                f'metrics_file = "{state}/trainer-metrics.jsonl"',
+                "num_threads = 1",
+            ],
+            "trainer.job.rl": [
+                f"groups_per_step = {GROUPS_PER_STEP}",
+                "pull_wait_s = 30",
+                "generation_budget_tokens = 288",
+            ],
+            "trainer.job.optimizer": ["lr = 1e-4"],
+            "trainer.job.checkpoint": ["interval_steps = 2"],
+            "weights": ["poll_interval_s = 0.5"],
+            "evals": ["every_n_versions = 3", "poll_interval_s = 2"],
+            "evals.suites.synthetic-heldout": ["num_tasks = 4", "num_samples = 2"],
+            "evals.suites.humaneval": ["num_tasks = 2", "num_samples = 1"],
+            "launcher": ["restart_backoff_s = 1", "train_timeout_s = 900"],
+            "launcher.base_model": [
+                "cpt_steps = 4",
+                "sft_steps = 16",
+                "sft_tasks = 300",
+                "tokens_per_step = 2048",
+                "max_seq_len = 512",
+            ],
+        },
+    )
+
+
+def _service_pid(config: Path, service: str) -> int | None:
+    """PID of the running `services.<service> --config <config>` process."""
+    found = subprocess.run(
+        ["pgrep", "-f", "--", f"-m services.{service} --config {config}"],
+        capture_output=True,
+        text=True,
+    )
+    pids = [int(p) for p in found.stdout.split()]
+    return min(pids) if pids else None
+
+
+def _kill_group(config: Path, service: str) -> int:
+    pid = _service_pid(config, service)
+    assert pid is not None, f"{service} is not running"
+    os.killpg(pid, signal.SIGKILL)  # the launcher starts each service in its own session
+    return pid
+
+
+def test_etude_run_trains_evaluates_reports_and_survives_kills(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    config = tmp_path / "config.toml"
+    run_name = f"e2e-{os.getpid()}-{int(time.time())}"
+    e2e_config(config, state, run_name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETUDE_")}
+    log_path = tmp_path / "run.log"
+    with log_path.open("w") as log_file:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "run", "--config", str(config), "--fresh"],
+            cwd=REPO,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    killed: dict[str, int] = {}
+    metrics_file = state / "trainer-metrics.jsonl"
+    deadline = time.monotonic() + 1500
+    try:
+        while launcher.poll() is None and time.monotonic() < deadline:
+            steps = len(read_steps(metrics_file))
+            if steps >= 1 and "envs" not in killed:
+                killed["envs"] = _kill_group(config, "envs")
+            if steps >= 2 and "inference" not in killed:
+                killed["inference"] = _kill_group(config, "inference")
+            time.sleep(0.5)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(60)
+    output = log_path.read_text()
+    assert launcher.returncode == 0, output[-6000:]
+    assert set(killed) == {"envs", "inference"}, output[-3000:]
+    for name in killed:  # the launcher saw each death and restarted the service
+        assert re.search(rf"{name} exited -?\d+; restart 1/", output), output[-3000:]
+
+    summary = json.loads((state / "report" / "summary.json").read_text())
+    # Versions advanced: the base model (0), then one per step.
+    assert summary["versions_published"] == list(range(MAX_STEPS + 1)), summary
+    assert summary["steps"] == MAX_STEPS
+    # Inference served several versions, and some rollouts span two of them.
+    assert summary["versions_served"] >= 2, summary
+    assert summary["rollouts_spanning_versions"] >= 1, summary
+
+    # Every group trained exactly once: in the trainer's records and in the reconciler.
+    steps = read_steps(metrics_file)
+    trained = [g for record in steps for g in record["group_ids"]]
+    assert len(trained) == len(set(trained)) == summary["groups_trained"] > 0
+    assert summary["groups_trained_twice"] == 0
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        prefix = run_prefix(run_name)
+        states = [client.hget(f"{prefix}:group:{g}", "state") for g in trained]
+        assert states == [b"COMMITTED"] * len(trained), states
+    finally:
+        client.close()
+
+    # Reward parts are recorded per step; every record says where its groups came from.
+    for record in steps:
+        for part in ("total", "task", "length_penalty", "behaviour"):
+            assert f"reward_{part}_mean" in record, record
+        assert len(record["staleness"]) == len(record["group_ids"])
+        assert all(0 <= s <= 2 for s in record["staleness"])
+
+    # The report: HTML, with plots that load; version 0 and the last version scored.
+    from matplotlib.image import imread
+
+    report = state / "report"
+    page = (report / "index.html").read_text()
+    images = re.findall(r"<img src=[\"']([^\"']+\.png)[\"']", page)
+    assert "reward.png" in images and len(images) > 3
+    for image in images:
+        assert imread(report / image).size > 0
+    for suite in summary["suites"]:
+        assert suite["first_version"] == 0 and suite["last_version"] == MAX_STEPS, suite
+    assert "held-out" in output or "synthetic-heldout pass@1" in output
