@@ -60,6 +60,7 @@ def e2e_config(path: Path, state: Path, run_name: str) -> None:
                 "command_timeout_s = 10",
                 "require_finish = true",
                 "context_tokens = 1024",
+                "seeded_sampling = false",
             ],
             # One sequence at a time: inference is the bottleneck, as at scale, so a
             # rollout's turns queue and the trainer publishes versions while it runs.

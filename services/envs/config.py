@@ -25,6 +25,15 @@ class HarnessConfig(StrictModel):
     max_tool_output_tokens: int = Field(256, ge=8, description="Tool output shown to the model.")
     temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature.")
     command_timeout_s: float = Field(20.0, gt=0, description="Wall clock of one run() call.")
+    seeded_sampling: bool = Field(
+        True,
+        description=(
+            "Seed every generation (from the rollout id and call number), so a rollout can be "
+            "sampled again. Turn it off with vLLM's CPU backend under concurrent long prompts: "
+            "a seeded prompt prefilled in chunks kills its engine ('CPU Generator does not use "
+            "offset')."
+        ),
+    )
     require_finish: bool = Field(
         False,
         description=(

@@ -40,7 +40,7 @@ class InferenceGenerator:
         self,
         channel: aio.Channel,
         temperature: float,
-        seed: int,
+        seed: int | None,
         unavailable_wait_s: float = 300.0,
     ) -> None:
         self.stub = inference_pb2_grpc.InferenceServiceStub(channel)
@@ -51,16 +51,13 @@ class InferenceGenerator:
 
     async def __call__(self, prompt: list[int], max_tokens: int, stop: list[int]) -> Generation:
         self.calls += 1
+        sampling = inference_pb2.SamplingParams(
+            temperature=self.temperature, max_tokens=max_tokens, stop_token_ids=stop
+        )
+        if self.seed is not None:  # reproducible per rollout and call, different across both
+            sampling.seed = zlib.crc32(f"{self.seed}:{self.calls}".encode())
         request = inference_pb2.GenerateRequest(
-            prompt_token_ids=prompt,
-            sampling=inference_pb2.SamplingParams(
-                temperature=self.temperature,
-                max_tokens=max_tokens,
-                stop_token_ids=stop,
-                # Reproducible per rollout and call, different across both.
-                seed=zlib.crc32(f"{self.seed}:{self.calls}".encode()),
-            ),
-            return_routed_experts=True,
+            prompt_token_ids=prompt, sampling=sampling, return_routed_experts=True
         )
         deadline = time.monotonic() + self.unavailable_wait_s
         delay = 0.25

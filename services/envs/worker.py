@@ -173,7 +173,11 @@ class RolloutWorker:
             )
             # A seed that is the same in every process (str hashes are salted per process).
             seed = zlib.crc32(rollout_id.encode())
-            generate = InferenceGenerator(self.inference, self.harness_config.temperature, seed)
+            generate = InferenceGenerator(
+                self.inference,
+                self.harness_config.temperature,
+                seed if self.harness_config.seeded_sampling else None,
+            )
             result = await Harness(generate, self.tokenizer, self.harness_config).run(
                 slot.task, tools
             )
