@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,6 +213,19 @@ def test_weights_update_in_flight(replica: Replica, tiny_model: Path) -> None:
                     version=2, manifest_key=f"weights/{RUN}/v00000002/manifest.json"
                 )
                 await ReconcilerClient(control).publish_version(notice)
+            # Also pushed to the replica directly (what a trainer may do): on a loaded
+            # two-core machine the reconciler's watch stream has been seen to deliver a
+            # notice only when the stream re-opened, up to 30 s later, after every request
+            # here had finished. This test is about updates in flight, not notice latency.
+            await stub.NotifyVersion(notice)
+            # Requests stay queued until the replica serves version 2, however long the
+            # update takes: one is always mid-way when it lands.
+            deadline = time.monotonic() + 180
+            while (await asyncio.to_thread(_status, replica.target)).serving_version != 2:
+                assert time.monotonic() < deadline, "version 2 was never loaded"
+                if sum(not t.done() for t in tasks) < 4:
+                    tasks.append(asyncio.create_task(one(len(tasks))))
+                await asyncio.sleep(0.3)
             await asyncio.gather(*tasks)
             return results
 

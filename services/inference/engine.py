@@ -101,13 +101,6 @@ class Engine:
         kwargs: dict[str, Any] = {}
         if capture and self.on_cuda:
             kwargs["enable_return_routed_experts"] = True
-        if not self.on_cuda:
-            # vLLM's CPU worker crashes the engine ("CPU Generator does not use offset")
-            # when a seeded request's prompt is prefilled in chunks: it rewinds the
-            # request's generator, which CPU generators cannot do. Whole-prompt prefill
-            # keeps per-request seeds (the harness sets one per call) working.
-            kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = self.max_model_len
         return AsyncEngineArgs(
             model=str(config.model_dir),
             dtype=config.dtype,
