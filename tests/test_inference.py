@@ -17,10 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.api.v1 import (
+    common_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
+    reconciler_pb2,
+    reconciler_pb2_grpc,
+)
 from services.config import WeightsConfig
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
 from services.weights.publisher import WeightPublisher
 from services.wire.client import make_channel
 from tests.conftest import (
@@ -154,6 +159,18 @@ def replica(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             assert stop_process(process) == 0, log.read_text()[-3000:]
 
 
+def _announce(replica: Replica, notice: common_pb2.PolicyVersionNotice) -> None:
+    """Publishes `notice` to the replica's reconciler and to the replica itself."""
+    with grpc.insecure_channel(replica.reconciler.target) as channel:
+        reconciler_pb2_grpc.ReconcilerServiceStub(channel).PublishPolicyVersion(
+            reconciler_pb2.PublishPolicyVersionRequest(notice=notice), metadata=AUTH, timeout=30
+        )
+    with grpc.insecure_channel(replica.target) as channel:
+        inference_pb2_grpc.InferenceServiceStub(channel).NotifyVersion(
+            notice, metadata=AUTH, timeout=30
+        )
+
+
 def _status(target: str) -> inference_pb2.InferenceStatusResponse:
     with grpc.insecure_channel(target) as channel:
         return inference_pb2_grpc.InferenceServiceStub(channel).GetStatus(
@@ -208,16 +225,14 @@ def test_weights_update_in_flight(replica: Replica, tiny_model: Path) -> None:
 
             tasks = [asyncio.create_task(one(i)) for i in range(8)]
             await asyncio.sleep(0.2)
-            async with make_channel(replica.reconciler.target, token=TOKEN) as control:
-                notice = common_pb2.PolicyVersionNotice(
-                    version=2, manifest_key=f"weights/{RUN}/v00000002/manifest.json"
-                )
-                await ReconcilerClient(control).publish_version(notice)
-            # Also pushed to the replica directly (what a trainer may do): on a loaded
-            # two-core machine the reconciler's watch stream has been seen to deliver a
-            # notice only when the stream re-opened, up to 30 s later, after every request
-            # here had finished. This test is about updates in flight, not notice latency.
-            await stub.NotifyVersion(notice)
+            notice = common_pb2.PolicyVersionNotice(
+                version=2, manifest_key=f"weights/{RUN}/v00000002/manifest.json"
+            )
+            # Announced over blocking channels: an aio call made here, in a second event
+            # loop of this process after another test's loop used grpc.aio, has been seen
+            # to complete only after every request had finished. The replica is also told
+            # directly (NotifyVersion), as a trainer may do.
+            await asyncio.to_thread(_announce, replica, notice)
             # Requests stay queued until the replica serves version 2, however long the
             # update takes: one is always mid-way when it lands.
             deadline = time.monotonic() + 180
