@@ -45,15 +45,24 @@ def read_steps(path: Path | None) -> list[dict[str, Any]]:
     return [by_step[step] for step in sorted(by_step)]
 
 
-def read_evals(store: ObjectStore, run: str) -> dict[str, dict[int, EvalRecord]]:
-    """{suite: {version: record}} of every stored eval of ``run``."""
+def read_evals(
+    store: ObjectStore, run: str, known: dict[str, EvalRecord] | None = None
+) -> dict[str, dict[int, EvalRecord]]:
+    """{suite: {version: record}} of every stored eval of ``run``.
+
+    ``known`` ({key: record}) is filled and reused: a (suite, version) is evaluated once,
+    so its record never changes, and the live view reads each one once, not every second.
+    """
+    known = {} if known is None else known
     found: dict[str, dict[int, EvalRecord]] = {}
     for suite, versions in discover(store, run).items():
         for version, key in versions.items():
-            try:
-                found.setdefault(suite, {})[version] = read_record(store, key)[0]
-            except Exception:  # written while read; the next snapshot sees it whole
-                continue
+            if key not in known:
+                try:
+                    known[key] = read_record(store, key)[0]
+                except Exception:  # written while read; the next snapshot sees it whole
+                    continue
+            found.setdefault(suite, {})[version] = known[key]
     return found
 
 
@@ -105,13 +114,15 @@ class Snapshot:
         return self.steps[-1] if self.steps else {}
 
 
-def snapshot(config: EtudeConfig, store: ObjectStore) -> Snapshot:
-    """Reads every source once."""
+def snapshot(
+    config: EtudeConfig, store: ObjectStore, known_evals: dict[str, EvalRecord] | None = None
+) -> Snapshot:
+    """Reads every source once (eval records already in ``known_evals`` are not re-read)."""
     job = config.trainer.job
     shot = Snapshot(
         taken_at=time.time(),
         steps=read_steps(job.metrics_file if job is not None else None),
-        evals=read_evals(store, config.run.name),
+        evals=read_evals(store, config.run.name, known_evals),
     )
     reconciler = scrape(config.reconciler.http.port)
     shot.groups_by_state = by_label(reconciler, "etude_reconciler_groups", "state")

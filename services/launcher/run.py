@@ -148,6 +148,7 @@ class LocalRun:
         self.child_env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
         self.phase = "starting"
         self._store: Any = None
+        self.known_evals: dict[str, Any] = {}  # eval records read so far, by key
 
     # -- preparation ----------------------------------------------------------------
 
@@ -474,7 +475,7 @@ def _training_view(run: LocalRun) -> Any:
 
     job = run.config.trainer.job
     return view(
-        snapshot(run.config, run.store),
+        snapshot(run.config, run.store, run.known_evals),
         run.phase,
         run.services_table(),
         job.max_steps if job is not None else 0,
@@ -528,7 +529,7 @@ def _train(run: LocalRun, live: Live) -> int:
         run.phase = f"final eval (version {final})"
         _request_evals(run, live, final, suites)
     run.phase = "report"
-    shot = snapshot(run.config, run.store)
+    shot = snapshot(run.config, run.store, run.known_evals)
     summary = summarize(run.config.run.name, shot, run.store)
     records = {suite: [v[k] for k in sorted(v)] for suite, v in shot.evals.items()}
     live.stop()

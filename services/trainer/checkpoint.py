@@ -89,7 +89,21 @@ class CheckpointStore:
             shutil.rmtree(staging)
         _dcp(dcp.save, _state(learner), staging)
         created_at = time.time()
-        label = tag or name
+        self._finish(staging, final, tag or name, step, created_at, job_state, prune=not tag)
+        return CheckpointInfo(tag or name, step, final, created_at)
+
+    def _finish(
+        self,
+        staging: Path,
+        final: Path,
+        label: str,
+        step: int,
+        created_at: float,
+        job_state: dict[str, Any],
+        *,
+        prune: bool,
+    ) -> None:
+        """Writes the metadata into ``staging`` and renames it to ``final`` (durably)."""
         meta = {
             "tag": label,
             "step": step,
@@ -103,9 +117,8 @@ class CheckpointStore:
             shutil.rmtree(final)
         staging.rename(final)
         _fsync_dir(self.root)
-        if not tag:
+        if prune:
             self._prune()
-        return CheckpointInfo(label, step, final, created_at)
 
     def discard_partial(self) -> None:
         """Removes checkpoints a crashed process left half-written."""

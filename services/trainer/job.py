@@ -338,20 +338,11 @@ class TrainingJob:
 
     async def _run_rl(self) -> None:
         assert self.reconciler is not None and self.learner is not None
-        rl = self.job.rl
         while not self._finished():
             await self._serve_requests()
             started = time.perf_counter()
             self.state = "waiting"
-            pull = functools.partial(
-                self.reconciler.pull_batch,
-                rl.consumer_id,
-                self.step,
-                rl.groups_per_step,
-                self.policy_version,
-                rl.pull_wait_s,
-            )
-            answer = await self._retrying("PullBatch", pull)
+            answer = await self._pull_batch()
             if not answer.groups:
                 continue
             self.state = "running"
@@ -370,6 +361,20 @@ class TrainingJob:
                 started,
                 provenance,
             )
+
+    async def _pull_batch(self) -> reconciler_pb2.PullBatchResponse:
+        """This step's groups from the reconciler (retried while it is unreachable)."""
+        assert self.reconciler is not None
+        rl = self.job.rl
+        pull = functools.partial(
+            self.reconciler.pull_batch,
+            rl.consumer_id,
+            self.step,
+            rl.groups_per_step,
+            self.policy_version,
+            rl.pull_wait_s,
+        )
+        return await self._retrying("PullBatch", pull)
 
     async def _end_rl_step(
         self,
@@ -411,15 +416,7 @@ class TrainingJob:
             if runtime.is_leader:
                 assert self.reconciler is not None and self.cost_model is not None
                 base = StepMessage(checkpoint_tags=self._take_requests())
-                pull = functools.partial(
-                    self.reconciler.pull_batch,
-                    rl.consumer_id,
-                    self.step,
-                    rl.groups_per_step,
-                    self.policy_version,
-                    rl.pull_wait_s,
-                )
-                answer = await self._retrying("PullBatch", pull)
+                answer = await self._pull_batch()
                 base.waited_s = time.perf_counter() - started
                 messages = [base] * runtime.world_size
                 if answer.groups:
@@ -427,6 +424,7 @@ class TrainingJob:
                     base.stats = stats_only(collected)
                     base.group_ids = [group.group_id for group in answer.groups]
                     base.num_stale_dropped = answer.num_stale_dropped
+                    base.provenance = version_provenance(answer.groups, self.policy_version)
                     messages = scatter_plan(
                         base, collected.items, runtime, self.cost_model, rl.microbatch_tokens
                     )
@@ -446,6 +444,7 @@ class TrainingJob:
                 message.num_stale_dropped,
                 message.waited_s,
                 started,
+                message.provenance,
             )
 
     def _collect(self, groups: Sequence[reconciler_pb2.Group]) -> RLItems:

@@ -12,8 +12,6 @@ ranks (one node, or a ReadWriteMany volume: ``trainer.checkpoints.existingClaim`
 
 from __future__ import annotations
 
-import json
-import random
 import shutil
 import time
 from pathlib import Path
@@ -22,11 +20,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from services.trainer.checkpoint import (
-    META_FILE,
     CheckpointInfo,
     CheckpointStore,
-    _encode_random_state,
-    _fsync_dir,
     _state,
 )
 from services.trainer.distributed.runtime import Runtime
@@ -60,21 +55,7 @@ class DistributedCheckpointStore(CheckpointStore):
         created_at = self.runtime.share(time.time())
         label = tag or name
         if self.runtime.is_leader:
-            meta = {
-                "tag": label,
-                "step": step,
-                "created_at": created_at,
-                "job": job_state,
-                "python_rng": _encode_random_state(random.getstate()),
-            }
-            (staging / META_FILE).write_text(json.dumps(meta))
-            _fsync_dir(staging)
-            if final.exists():  # a periodic checkpoint of the same step, written on resume
-                shutil.rmtree(final)
-            staging.rename(final)
-            _fsync_dir(self.root)
-            if not tag:
-                self._prune()
+            self._finish(staging, final, label, step, created_at, job_state, prune=not tag)
         self.runtime.barrier()
         return CheckpointInfo(label, step, final, created_at)
 

@@ -11,6 +11,7 @@ the whole step. Messages are scattered over a gloo group (``Runtime.scatter``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from services.trainer.batch import RLItems, TrainItem
 from services.trainer.distributed.batching import RankPart, assign
@@ -32,6 +33,7 @@ class StepMessage:
     num_stale_dropped: int = 0
     waited_s: float = 0.0
     cursor: int = 0
+    provenance: dict[str, Any] = field(default_factory=dict)  # RL: ``version_provenance``
 
 
 def scatter_plan(
