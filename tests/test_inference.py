@@ -228,10 +228,8 @@ def test_weights_update_in_flight(replica: Replica, tiny_model: Path) -> None:
             notice = common_pb2.PolicyVersionNotice(
                 version=2, manifest_key=f"weights/{RUN}/v00000002/manifest.json"
             )
-            # Announced over blocking channels: an aio call made here, in a second event
-            # loop of this process after another test's loop used grpc.aio, has been seen
-            # to complete only after every request had finished. The replica is also told
-            # directly (NotifyVersion), as a trainer may do.
+            # Announced to the reconciler and, as a trainer may do, to the replica directly
+            # (NotifyVersion), from a thread so the streams here keep being read.
             await asyncio.to_thread(_announce, replica, notice)
             # Requests stay queued until the replica serves version 2, however long the
             # update takes: one is always mid-way when it lands.
