@@ -432,11 +432,34 @@ def test_alert_rules_pass_promtool_and_their_unit_tests() -> None:
         "EtudeServiceNotReady",
         "EtudeDependencyNotReady",
         "EtudeGrpcServerErrors",
+        "EtudeWeightPublishLag",
+        "EtudeWeightPublishFailures",
+        "EtudeInferenceUpdateFailures",
     }
     assert chart_check.check_rules(groups) == []
     problems, output = chart_check.run_rule_tests(groups)
     assert problems == [], output
     assert "SUCCESS" in output
+
+
+def test_each_region_alerts_on_the_weights_it_handles() -> None:
+    """A release alerts on publishing only where the trainer runs, on loading only where
+    inference runs (one release per region)."""
+    monitoring = chart_check.FEATURE_CASES["monitoring"]["metrics"]
+    expected = {
+        "region-train.yaml": {"EtudeWeightPublishLag", "EtudeWeightPublishFailures"},
+        "region-rollouts.yaml": {"EtudeInferenceUpdateFailures"},
+    }
+    for example, alerts in expected.items():
+        values = chart_check.load_values(chart_check.CHART / "examples" / example)
+        values["metrics"] = monitoring
+        groups = chart_check.alert_rules(render(values))
+        weights = [group for group in groups if group["name"] == "etude.weights"]
+        assert {rule["alert"] for group in weights for rule in group["rules"]} == alerts
+    values = copy.deepcopy(chart_check.FEATURE_CASES["monitoring"])
+    values |= {name: {"enabled": False} for name in ("envs", "inference", "trainer", "evals")}
+    groups = chart_check.alert_rules(render(values))
+    assert "etude.weights" not in {group["name"] for group in groups}
 
 
 def test_alert_unit_tests_fail_when_a_threshold_moves() -> None:

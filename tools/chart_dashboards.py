@@ -1,9 +1,10 @@
 """Generates the Grafana dashboards shipped in deploy/helm/etude/dashboards/.
 
-One dashboard per service plus an overview, built from the metrics the services
-export today (tests/test_chart_metrics.py scrapes running services and fails on a
-name they do not export). Every query filters on the `namespace` and `release`
-labels the chart's ServiceMonitors add, chosen with dashboard variables.
+One dashboard per service plus an overview, arranged from the panels in
+tools/chart_panels.py and tools/chart_rl_panels.py, built from the metrics the services
+export (tests/test_chart_metrics.py scrapes running services and fails on a name they do
+not export). Every query filters on the `namespace` and `release` labels the chart's
+ServiceMonitors add, chosen with dashboard variables.
 
     python tools/chart_dashboards.py           # rewrite the JSON files
     python tools/chart_dashboards.py --check   # fail when they are not current (make chart)
@@ -17,300 +18,40 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from chart_panels import (
+    GRPC_SERVICES,
+    RATE,
+    SEL,
+    SERVER_ERRORS,
+    Panel,
+    grpc_panels,
+    panel,
+    readiness_panels,
+    reconciler_state_panels,
+    row,
+    step_metric,
+    tokens_per_second_panel,
+    vllm_panels,
+)
+from chart_rl_panels import (
+    TRAINER_NOTE,
+    envs_panels,
+    envs_reward_panel,
+    evals_panels,
+    inference_update_panels,
+    pass_at_1_panel,
+    publish_lag_panel,
+    trainer_panels,
+    trainer_step_panels,
+    update_lag_panel,
+    update_pause_panel,
+    versions_panel,
+    weight_bytes_panels,
+    weight_failures_panel,
+)
+
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARDS = REPO / "deploy" / "helm" / "etude" / "dashboards"
-
-Panel = dict[str, Any]
-
-SEL = 'namespace="$namespace", release="$release"'
-GRPC_SERVICES = {
-    "reconciler": "etude.v1.ReconcilerService",
-    "envs": "etude.v1.EnvService",
-    "inference": "etude.v1.InferenceService",
-    "trainer": "etude.v1.TrainerService",
-    "evals": "etude.v1.EvalsService",
-}
-# Calls the server failed (not the caller's mistakes such as INVALID_ARGUMENT).
-SERVER_ERRORS = "INTERNAL|UNKNOWN|UNAVAILABLE|DATA_LOSS|DEADLINE_EXCEEDED"
-RATE = "[$__rate_interval]"
-# Each state metric of the reconciler is a snapshot of Redis that every replica exports.
-RECONCILER_NOTE = "A snapshot of Redis exported by every reconciler replica: aggregated with max."
-
-
-def target(expr: str, legend: str, ref: str) -> dict[str, Any]:
-    return {
-        "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        "expr": expr,
-        "legendFormat": legend,
-        "refId": ref,
-    }
-
-
-def panel(
-    title: str,
-    targets: list[tuple[str, str]],
-    *,
-    unit: str = "short",
-    kind: str = "timeseries",
-    description: str = "",
-    stack: bool = False,
-) -> Panel:
-    """A panel; its position is set when the dashboard is laid out."""
-    custom: dict[str, Any] = {}
-    if kind == "timeseries":
-        custom = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10, "showPoints": "never"}
-        if stack:
-            custom["stacking"] = {"mode": "normal", "group": "A"}
-    return {
-        "type": kind,
-        "title": title,
-        "description": description,
-        "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        "fieldConfig": {"defaults": {"unit": unit, "custom": custom}, "overrides": []},
-        "options": {"legend": {"displayMode": "list", "placement": "bottom"}}
-        if kind == "timeseries"
-        else {"reduceOptions": {"calcs": ["lastNotNull"]}, "colorMode": "value"},
-        "targets": [
-            target(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(targets)
-        ],
-    }
-
-
-def text(title: str, content: str) -> Panel:
-    return {"type": "text", "title": title, "options": {"mode": "markdown", "content": content}}
-
-
-def row(title: str) -> Panel:
-    return {"type": "row", "title": title, "collapsed": False, "panels": []}
-
-
-def quantiles(metric: str, by: str, selector: str, qs: tuple[float, ...]) -> list[tuple[str, str]]:
-    grouping = f"{by}, le" if by else "le"
-    legend_prefix = f"{{{{{by}}}}} " if by else ""
-    return [
-        (
-            f"histogram_quantile({q}, sum by ({grouping}) "
-            f"(rate({metric}_bucket{{{selector}}}[$__rate_interval])))",
-            f"{legend_prefix}p{round(q * 100)}",
-        )
-        for q in qs
-    ]
-
-
-# -- panels shared by dashboards ---------------------------------------------------
-
-
-def readiness_panels(service: str) -> list[Panel]:
-    return [
-        panel(
-            "Ready pods",
-            [(f'sum(etude_service_ready{{service="{service}", {SEL}}})', "ready")],
-            kind="stat",
-            description="Pods whose readiness (gRPC health 'readiness') is SERVING.",
-        ),
-        panel(
-            "Not ready pods",
-            [(f'count(etude_service_ready{{service="{service}", {SEL}}} == 0) or vector(0)', "")],
-            kind="stat",
-        ),
-        panel(
-            "Dependencies ready",
-            [
-                (
-                    f'min by (dependency) (etude_dependency_ready{{service="{service}", {SEL}}})',
-                    "{{dependency}}",
-                )
-            ],
-            description="1 when every pod sees the dependency ready; 0 when any does not.",
-        ),
-    ]
-
-
-def grpc_panels(service: str) -> list[Panel]:
-    grpc = f'grpc_service="{GRPC_SERVICES[service]}", {SEL}'
-    return [
-        row("gRPC"),
-        panel(
-            "Calls/s by method",
-            [
-                (
-                    f"sum by (grpc_method) (rate(grpc_server_handled_total{{{grpc}}}{RATE}))",
-                    "{{grpc_method}}",
-                )
-            ],
-            unit="reqps",
-        ),
-        panel(
-            "Failed calls/s by code",
-            [
-                (
-                    f"sum by (grpc_method, grpc_code) "
-                    f'(rate(grpc_server_handled_total{{grpc_code!="OK", {grpc}}}{RATE}))',
-                    "{{grpc_method}} {{grpc_code}}",
-                )
-            ],
-            unit="reqps",
-        ),
-        panel(
-            "Latency by method",
-            quantiles("grpc_server_handling_seconds", "grpc_method", grpc, (0.5, 0.99)),
-            unit="s",
-        ),
-        panel(
-            "Calls in flight (started - handled)",
-            [
-                (
-                    f"sum(grpc_server_started_total{{{grpc}}})"
-                    f" - sum(grpc_server_handled_total{{{grpc}}})",
-                    "in flight",
-                )
-            ],
-            description="Streams such as WatchGroups stay in flight for their whole life.",
-        ),
-    ]
-
-
-def reconciler_state_panels() -> list[Panel]:
-    return [
-        panel(
-            "Groups by state",
-            [(f"max by (state) (etude_reconciler_groups{{{SEL}}})", "{{state}}")],
-            description=RECONCILER_NOTE,
-        ),
-        panel(
-            "Slots by state",
-            [(f"max by (state) (etude_reconciler_slots{{{SEL}}})", "{{state}}")],
-            description=RECONCILER_NOTE,
-        ),
-        panel(
-            "Policy version",
-            [(f"max(etude_reconciler_policy_version{{{SEL}}})", "version")],
-            kind="stat",
-        ),
-        panel(
-            "Groups committed/s (training progress)",
-            [
-                (
-                    f'max(deriv(etude_reconciler_groups{{state="COMMITTED", {SEL}}}{RATE}))',
-                    "committed/s",
-                )
-            ],
-            unit="ops",
-        ),
-        panel(
-            "Staleness of pulled groups (policy versions)",
-            quantiles("etude_reconciler_staleness_versions", "", SEL, (0.5, 0.9, 0.99)),
-            description="Versions between a group's start and the trainer step that pulled it.",
-        ),
-        panel(
-            "Stale groups by action",
-            [
-                (
-                    f"max by (action) (increase(etude_reconciler_stale_groups_total{{{SEL}}}"
-                    "[$__rate_interval]))",
-                    "{{action}}",
-                )
-            ],
-        ),
-        panel(
-            "Lease expiries and rejected completions",
-            [
-                (
-                    f"max(increase(etude_reconciler_lease_expiries_total{{{SEL}}}[$__rate_interval]))",
-                    "lease expiries",
-                ),
-                (
-                    f"max(increase(etude_reconciler_rejected_completions_total{{{SEL}}}"
-                    "[$__rate_interval]))",
-                    "rejected completions",
-                ),
-            ],
-        ),
-        panel(
-            "Dead slots by reason",
-            [
-                (
-                    f"max by (reason) (increase(etude_reconciler_dead_slots_total{{{SEL}}}"
-                    "[$__rate_interval]))",
-                    "{{reason}}",
-                )
-            ],
-        ),
-        panel(
-            "Group latency (submission to ready)",
-            quantiles("etude_reconciler_group_latency_seconds", "", SEL, (0.5, 0.9, 0.99)),
-            unit="s",
-        ),
-    ]
-
-
-def vllm_panels() -> list[Panel]:
-    return [
-        panel(
-            "Tokens/s",
-            [
-                (
-                    f"sum(rate(vllm:generation_tokens_total{{{SEL}}}[$__rate_interval]))",
-                    "generated",
-                ),
-                (f"sum(rate(vllm:prompt_tokens_total{{{SEL}}}[$__rate_interval]))", "prompt"),
-            ],
-            unit="short",
-        ),
-        panel(
-            "Requests running and waiting",
-            [
-                (f"sum(vllm:num_requests_running{{{SEL}}})", "running"),
-                (f"sum(vllm:num_requests_waiting{{{SEL}}})", "waiting"),
-            ],
-        ),
-        panel(
-            "KV cache usage",
-            [(f"max by (pod) (vllm:kv_cache_usage_perc{{{SEL}}})", "{{pod}}")],
-            unit="percentunit",
-        ),
-        panel(
-            "Time to first token",
-            quantiles("vllm:time_to_first_token_seconds", "", SEL, (0.5, 0.99)),
-            unit="s",
-        ),
-        panel(
-            "Inter-token latency",
-            quantiles("vllm:inter_token_latency_seconds", "", SEL, (0.5, 0.99)),
-            unit="s",
-        ),
-        panel(
-            "Request latency (end to end)",
-            quantiles("vllm:e2e_request_latency_seconds", "", SEL, (0.5, 0.99)),
-            unit="s",
-        ),
-        panel(
-            "Finished requests/s by reason",
-            [
-                (
-                    f"sum by (finished_reason) (rate(vllm:request_success_total{{{SEL}}}"
-                    "[$__rate_interval]))",
-                    "{{finished_reason}}",
-                )
-            ],
-            unit="reqps",
-        ),
-        panel(
-            "Preemptions/s",
-            [(f"sum(rate(vllm:num_preemptions_total{{{SEL}}}[$__rate_interval]))", "preemptions")],
-        ),
-    ]
-
-
-# -- dashboards --------------------------------------------------------------------
-
-
-def pending(what: str) -> Panel:
-    return text(
-        "Arriving later",
-        f"{what} These panels are added when the services export the metrics "
-        "(the chart ships only dashboards for metrics that exist).",
-    )
 
 
 def overview() -> list[Panel]:
@@ -343,14 +84,28 @@ def overview() -> list[Panel]:
             ],
             unit="percentunit",
         ),
-        row("Rollouts and training"),
-        *reconciler_state_panels(),
-        row("Generation"),
-        *vllm_panels()[:2],
-        pending(
-            "Reward, pass@1 by policy version, trainer tokens/s, weight-sync bytes and lag, "
-            "and inference update pauses are not exported yet."
+        row("Reward and evals"),
+        panel(
+            "Reward of trained rollouts by part (mean)",
+            [step_metric("reward_.*_mean")],
+            description=TRAINER_NOTE,
         ),
+        pass_at_1_panel(),
+        envs_reward_panel(),
+        row("Rollouts and groups"),
+        *reconciler_state_panels(),
+        row("Training"),
+        *trainer_step_panels(),
+        row("Generation"),
+        tokens_per_second_panel(),
+        vllm_panels()[1],
+        row("Weight sync"),
+        versions_panel(),
+        publish_lag_panel(),
+        *weight_bytes_panels(),
+        update_pause_panel(),
+        update_lag_panel(),
+        weight_failures_panel(),
     ]
 
 
@@ -359,16 +114,14 @@ def service_dashboard(service: str) -> list[Panel]:
     if service == "reconciler":
         panels += [row("Slots and groups"), *reconciler_state_panels()]
     if service == "inference":
-        panels += [row("vLLM"), *vllm_panels()]
-        panels.append(pending("Weight updates (pauses, load time, failures) are not exported yet."))
+        panels += [row("vLLM"), *vllm_panels(), row("Weight updates")]
+        panels += inference_update_panels()
     if service == "trainer":
-        panels.append(
-            pending("Loss, reward, tokens/s, step time and weight publishing are not exported yet.")
-        )
+        panels += trainer_panels()
     if service == "evals":
-        panels.append(pending("pass@1, pass@k and reward by policy version are not exported yet."))
+        panels += evals_panels()
     if service == "envs":
-        panels.append(pending("Rollouts, sandbox and grading metrics are not exported yet."))
+        panels += envs_panels()
     return panels + grpc_panels(service)
 
 

@@ -272,6 +272,11 @@ def chart_schema() -> Schema:
             leaseExpiriesSpiking=alert(threshold=number(minimum=0), window=DURATION),
             serviceNotReady=alert(),
             grpcErrors=alert(threshold=number(minimum=0, maximum=1), window=DURATION),
+            weightPublishLag=alert(
+                threshold=number(minimum=0), quantile=number(minimum=0, maximum=1), window=DURATION
+            ),
+            weightPublishFailures=alert(threshold=number(minimum=0), window=DURATION),
+            inferenceUpdateFailures=alert(threshold=number(minimum=0), window=DURATION),
         ),
     )
 

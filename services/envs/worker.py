@@ -23,6 +23,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.envs import metrics
 from services.envs.harness import Harness, HarnessConfig
 from services.envs.inference_client import InferenceGenerator
 from services.envs.rewards import Behaviour, RewardConfig, reasoning_comment_lines, reward
@@ -116,11 +117,14 @@ class RolloutWorker:
 
     async def _handle(self, slot: reconciler_pb2.ClaimedSlot) -> None:
         self.active += 1
+        metrics.IN_PROGRESS.inc()
         async with self.reconciler.lease(slot) as lease:
             try:
                 summary = await self.rollout(slot)
             except Exception as error:  # any fault of this attempt: the slot is retried
                 log.exception("rollout of %s failed", slot.lease.slot_id)
+                metrics.ROLLOUTS.labels("failed").inc()
+                metrics.ERRORS.labels(type(error).__name__).inc()
                 reason = f"{type(error).__name__}: {error}"[:200]
                 try:
                     await lease.fail(reason, retryable=True)
@@ -129,16 +133,20 @@ class RolloutWorker:
                 return
             finally:
                 self.active -= 1
+                metrics.IN_PROGRESS.dec()
             if lease.lost.is_set():
                 log.warning(
                     "lease of %s was lost during the rollout; result dropped", slot.lease.slot_id
                 )
+                metrics.ROLLOUTS.labels("lease_lost").inc()
                 return
             try:
                 await lease.complete(summary)
                 self.completed += 1
+                metrics.ROLLOUTS.labels("completed").inc()
             except aio.AioRpcError as error:
                 log.warning("completion of %s refused: %s", slot.lease.slot_id, error.details())
+                metrics.ROLLOUTS.labels("refused").inc()
 
     async def _workspace(self, slot: reconciler_pb2.ClaimedSlot) -> str:
         """A fresh fork of the group's prepared workspace."""
@@ -215,6 +223,7 @@ class RolloutWorker:
         summary.record.CopyFrom(
             common_pb2.ObjectRef(key=info.key, size_bytes=info.size, sha256=info.sha256)
         )
+        metrics.observe(summary, tools.state.calls)
         return summary
 
 

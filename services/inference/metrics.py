@@ -18,6 +18,10 @@ UPDATE_LAG = Histogram(
 UPDATE_FAILURES = Counter(
     "etude_inference_update_failures", "Versions this replica failed to load.", ["reason"]
 )
+# The errors a load may raise (services/inference/updates.py), present from the start so
+# that increase() sees the first failure too.
+for _reason in ("WeightsError", "CodecError", "ObjectStoreError"):
+    UPDATE_FAILURES.labels(_reason)
 GENERATED_TOKENS = Counter("etude_inference_generated_tokens", "Tokens generated.")
 REQUESTS_RUNNING = Gauge("etude_inference_requests_in_flight", "Generate calls in progress.")
 CAPTURE_ON = Gauge("etude_inference_routed_experts_capture", "1 when routed-expert capture is on.")

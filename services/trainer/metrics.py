@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.api.v1 import common_pb2
-from services.trainer.batch import RLBatch
+
+if TYPE_CHECKING:
+    # torch comes with it: the service imports this module without a job (and torch).
+    from services.trainer.batch import RLBatch
 
 STEP = Gauge("etude_trainer_step", "Optimizer steps completed by the running job.")
 POLICY_VERSION = Gauge("etude_trainer_policy_version", "Policy version of the trainer's weights.")

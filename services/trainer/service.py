@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 from grpc import aio
 
+# Declares the trainer's metrics, so that an idle trainer (no job, no torch) exports them too.
+import services.trainer.metrics  # noqa: F401
 from services.api.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.run_config import EtudeConfig
 from services.wire.client import Channels

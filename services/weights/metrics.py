@@ -6,9 +6,18 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 
-BYTES_UPLOADED = Counter("etude_weights_uploaded_bytes", "Bytes of weight objects uploaded.")
+# `kind` is "keyframe" or "delta": stored / raw of the deltas is what delta encoding saves.
+BYTES_UPLOADED = Counter(
+    "etude_weights_uploaded_bytes", "Bytes of weight objects uploaded, by kind.", ["kind"]
+)
 BYTES_DOWNLOADED = Counter("etude_weights_downloaded_bytes", "Bytes of weight objects downloaded.")
-RAW_BYTES = Counter("etude_weights_raw_bytes", "Uncompressed bytes of the tensors published.")
+RAW_BYTES = Counter(
+    "etude_weights_raw_bytes", "Uncompressed bytes of the tensors published, by kind.", ["kind"]
+)
+# Both kinds present from the start, so that rate() sees the first publish of each too.
+for _kind in ("keyframe", "delta"):
+    BYTES_UPLOADED.labels(_kind)
+    RAW_BYTES.labels(_kind)
 COMPRESSION_RATIO = Gauge(
     "etude_weights_compression_ratio", "Stored bytes / raw bytes of the last version published."
 )

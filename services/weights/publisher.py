@@ -226,8 +226,9 @@ class WeightPublisher:
         upload_s = time.perf_counter() - started
         stored = sum(i.size for i in infos)
         metrics.UPLOAD_SECONDS.observe(upload_s)
-        metrics.BYTES_UPLOADED.inc(stored)
-        metrics.RAW_BYTES.inc(raw_bytes)
+        kind = "keyframe" if keyframe else "delta"
+        metrics.BYTES_UPLOADED.labels(kind).inc(stored)
+        metrics.RAW_BYTES.labels(kind).inc(raw_bytes)
         metrics.COMPRESSION_RATIO.set(stored / max(raw_bytes, 1))
         self._candidate = _Published(job.version, bits)  # views over the snapshot we own
         if keyframe:

@@ -1,0 +1,96 @@
+"""Prometheus metrics of the rollout workers (training and eval rollouts alike).
+
+Rewards are signed (the penalties are negative), which a Prometheus sum cannot carry (a
+falling ``_sum`` reads as a counter reset), so each part is exported as its mean over the
+process's last ``RECENT_ROLLOUTS`` graded rollouts. Labels take values from closed sets
+only: a tool name the model made up is counted as ``unknown``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.api.v1 import common_pb2
+from services.envs.tools import Tools
+
+ROLLOUTS = Counter(
+    "etude_envs_rollouts",
+    "Rollout attempts ended, by outcome (completed, failed, lease_lost, refused).",
+    ["outcome"],
+)
+# Every outcome present from the start, so that rate() sees the first rollout of each too.
+for _outcome in ("completed", "failed", "lease_lost", "refused"):
+    ROLLOUTS.labels(_outcome)
+IN_PROGRESS = Gauge("etude_envs_rollouts_in_progress", "Rollouts running in this process.")
+DURATION = Histogram(
+    "etude_envs_rollout_seconds",
+    "From a claimed slot to its rollout record stored, per rollout.",
+    buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 1800, 3600),
+)
+RECENT_ROLLOUTS = 100
+REWARD_MEAN = Gauge(
+    "etude_envs_reward_mean",
+    f"Mean reward by part over the last {RECENT_ROLLOUTS} rollouts this process graded "
+    "(total, task, length_penalty, behaviour, behaviour:<name>; a part a rollout lacks is 0).",
+    ["part"],
+)
+FINISH_REASONS = Counter(
+    "etude_envs_finish_reasons", "Why each rollout's agent loop ended.", ["reason"]
+)
+GRADING_FAILURES = Counter(
+    "etude_envs_grading_failures",
+    "Final gradings that did not run to the end, by reason (timeout, syntax_error, crash, ...).",
+    ["reason"],
+)
+ERRORS = Counter(
+    "etude_envs_rollout_errors", "Rollout attempts that raised, by exception type.", ["error"]
+)
+TOOL_CALLS = Counter("etude_envs_tool_calls", "Tool calls the agent made, by tool.", ["tool"])
+TOKENS = Counter(
+    "etude_envs_rollout_tokens",
+    "Tokens of graded rollouts, by kind (generated, thinking, tool_call, tool_output, "
+    "final_message).",
+    ["kind"],
+)
+
+
+_recent_rewards: deque[dict[str, float]] = deque(maxlen=RECENT_ROLLOUTS)
+_reward_parts: set[str] = set()
+
+
+def observe(summary: common_pb2.RolloutSummary, tool_calls: Sequence[str]) -> None:
+    """Counts one rollout that ran to its grade (before its completion is reported)."""
+    DURATION.observe(summary.stats.wall_s)
+    reward = summary.reward
+    parts = {
+        "total": reward.total,
+        "task": reward.task,
+        "length_penalty": reward.length_penalty,
+        "behaviour": reward.behaviour,
+        **{f"behaviour:{name}": value for name, value in reward.behaviour_parts.items()},
+    }
+    _recent_rewards.append(parts)
+    _reward_parts.update(parts)
+    for part in _reward_parts:
+        total = sum(rollout.get(part, 0.0) for rollout in _recent_rewards)
+        REWARD_MEAN.labels(part).set(total / len(_recent_rewards))
+    FINISH_REASONS.labels(summary.finish_reason or "unknown").inc()
+    if summary.grade.failure_reason:
+        GRADING_FAILURES.labels(summary.grade.failure_reason).inc()
+    for name in tool_calls:
+        if name == "<malformed>":
+            TOOL_CALLS.labels("malformed").inc()
+        else:
+            TOOL_CALLS.labels(name if name in Tools.names else "unknown").inc()
+    stats = summary.stats
+    for kind, count in (
+        ("generated", stats.num_generated_tokens),
+        ("thinking", stats.num_thinking_tokens),
+        ("tool_call", stats.num_tool_call_tokens),
+        ("tool_output", stats.num_tool_output_tokens),
+        ("final_message", stats.num_final_message_tokens),
+    ):
+        TOKENS.labels(kind).inc(count)
