@@ -254,13 +254,15 @@ def test_weights_update_in_flight(replica: Replica, tiny_model: Path) -> None:
         if len(spans) == 2:
             caught.append((prompt, chunks, spans[1][1]))
         assert unpack_routing(chunks[-1].routed_experts).shape[0] == len(prompt) + LONG - 1
+    # The follower's story of each update (asked for, loading, serving) and any reconciler
+    # trouble, to tell a slow update from a lost notice when this fails.
     log = [
         line
         for line in replica.log.read_text(errors="replace").splitlines()
-        if "serving version" in line
+        if "version" in line or "unreachable" in line
     ]
     versions = [[s.version for s in chunks[-1].version_spans] for _, chunks in results]
-    assert caught, ("the update landed between generations", versions, log[-2:])
+    assert caught, ("the update landed between generations", versions, log[-8:])
     assert _status(replica.target).serving_version == 2
     old_model = load_hf(tiny_model, perturbed_state(tiny_model, 1, 0.5))
     new_model = load_hf(tiny_model, new_state)
@@ -317,3 +319,57 @@ def test_bad_input_leaves_the_engine_unharmed(replica: Replica) -> None:
     chunks = generate(replica.target, [1, 2, 3], 4, seed=0)
     assert len([t for c in chunks for t in c.token_ids]) == 4
     assert np.all(unpack_routing(chunks[-1].routed_experts) >= 0)
+
+
+def test_in_flight_update_serves_the_new_weights_on_the_small_preset(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """On the demo model's shapes, vLLM's CPU MoE kernel packs expert weights in its own
+    layout: an engine updated in place must serve exactly what an engine started from
+    the new checkpoint serves (the tiny preset's shapes hid a reload that left experts
+    in checkpoint layout, serving a policy that was neither version)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from vllm import SamplingParams
+
+    from services.inference.config import EngineConfig
+    from services.inference.engine import Engine
+    from services.model_factory.build import init_model
+
+    root = tmp_path_factory.mktemp("models")
+    model_dir, new_dir = root / "small", root / "small-v1"
+    init_model("small", model_dir, seed=0)
+    new_state = perturbed_state(model_dir, seed=3, scale=0.5)
+    shutil.copytree(model_dir, new_dir)
+    save_file(new_state, str(new_dir / "model.safetensors"), metadata={"format": "pt"})
+    prompt = list(range(40, 72))
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+
+    async def generate(engine: Engine) -> tuple[list[int], torch.Tensor]:
+        chunks = [chunk async for chunk in engine.generate(prompt, greedy)]
+        return [t for c in chunks for t in c.token_ids], torch.tensor(
+            [lp for c in chunks for lp in c.logprobs]
+        )
+
+    async def serve(directory: Path, update: bool) -> list[tuple[list[int], torch.Tensor]]:
+        engine = Engine(
+            EngineConfig(
+                model_dir=directory, max_num_seqs=2, max_model_len=256, cpu_kv_cache_gib=0.25
+            )
+        )
+        await engine.start()
+        try:
+            outputs = [await generate(engine)]
+            if update:
+                await engine.apply_weights(new_state, 1)
+                outputs.append(await generate(engine))
+            return outputs
+        finally:
+            await engine.stop()
+
+    (old_tokens, old_logprobs), (tokens, served) = asyncio.run(serve(model_dir, update=True))
+    [(expected_tokens, expected)] = asyncio.run(serve(new_dir, update=False))
+    assert tokens == expected_tokens
+    assert (served - expected).abs().max().item() < 1e-3
+    assert tokens != old_tokens or (served - old_logprobs).abs().mean().item() > 0.1

@@ -139,4 +139,26 @@ class RoutingCapture:
 
         tensors = load_file(path)
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+        self._etude_repack_cpu_experts()
         return len(tensors)
+
+    def _etude_repack_cpu_experts(self) -> None:
+        """Packs the reloaded expert weights into the CPU MoE kernel's layout.
+
+        vLLM's CPU experts keep ``w13``/``w2`` prepacked for their grouped GEMM, and
+        pack them in ``fused_experts.process_weights_after_loading``. The in-place
+        reload runs the MoE method's post-processing again but, for a kernel already
+        set up (a weight update), skips that step: the experts then multiply by
+        checkpoint-layout weights as if packed, and the served policy is garbage that
+        matches neither version (found on the small preset; the tiny preset's outputs
+        hid it). Packing them here makes a reloaded engine match one loaded from disk.
+        """
+        import torch
+
+        if torch.cuda.is_available():
+            return
+        for module in self.model_runner.model.modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if experts is not None and type(experts).__module__.endswith("cpu_moe"):
+                experts.process_weights_after_loading(module)

@@ -45,6 +45,7 @@ class WeightFollower:
 
     def request(self, version: int) -> None:
         """Asks for `version` (a notice arrived by RPC)."""
+        log.info("version %d asked for by RPC", version)
         self._requested.put_nowait(version)
 
     async def catch_up(self) -> None:
@@ -57,8 +58,11 @@ class WeightFollower:
         """Loads `version` into the engine; False (logged, counted) when it cannot."""
         if version <= self.engine.serving_version:
             return True
+        started = time.perf_counter()
+        log.info("loading version %d (serving %d)", version, self.engine.serving_version)
         try:
             tensors = await asyncio.to_thread(self.subscriber.load, version)
+            fetched_s = time.perf_counter() - started
             manifest = await asyncio.to_thread(
                 read_manifest, self.subscriber.store, self.subscriber.layout, version
             )
@@ -78,7 +82,14 @@ class WeightFollower:
         metrics.UPDATE_PAUSE.observe(pause_s)
         metrics.UPDATE_LAG.observe(max(0.0, time.time() - manifest.created_at))
         metrics.SERVING_VERSION.set(version)
-        log.info("serving version %d (generation paused %.3f s)", version, pause_s)
+        log.info(
+            "serving version %d (fetched in %.2f s, serving %.2f s after loading began, "
+            "generation paused %.3f s)",
+            version,
+            fetched_s,
+            time.perf_counter() - started,
+            pause_s,
+        )
         return True
 
     async def run(self, notices: AsyncIterator[int] | None) -> None:
