@@ -82,6 +82,7 @@ def e2e_config(path: Path, state: Path, run_name: str) -> None:
             "weights": ["poll_interval_s = 0.5"],
             "evals": ["every_n_versions = 3", "poll_interval_s = 2"],
             "evals.suites.synthetic-heldout": ["num_tasks = 4", "num_samples = 2"],
+            "evals.suites.synthetic-novel": ["num_tasks = 2", "num_samples = 1"],
             "evals.suites.humaneval": ["num_tasks = 2", "num_samples = 1"],
             "launcher": ["restart_backoff_s = 1", "train_timeout_s = 900"],
             "launcher.base_model": [

@@ -21,7 +21,13 @@ from services.api.v1 import common_pb2
 from services.envs.families import GRADING_DIR, TaskFamily, load_family
 from services.envs.families.humaneval import HumanEvalFamily
 from services.envs.families.repo import RepoFamily
-from services.envs.families.synthetic import SyntheticFamily, make_task, split_of, task_at
+from services.envs.families.synthetic import (
+    SyntheticFamily,
+    is_novel,
+    is_training_name,
+    make_task,
+    task_at,
+)
 from services.envs.grading import grade, grade_files
 from services.envs.sandbox import SandboxConfig, make_sandbox
 from services.envs.workspace import Workspaces
@@ -49,10 +55,10 @@ def _grade_all(
 
 # Synthetic ---------------------------------------------------------------------------------
 def test_synthetic_tasks_are_deterministic_per_seed() -> None:
-    first = SyntheticFamily(seed=3, num_train=40, num_heldout=10)
-    again = SyntheticFamily(seed=3, num_train=40, num_heldout=10)
-    other = SyntheticFamily(seed=4, num_train=40, num_heldout=10)
-    for split in ("train", "heldout"):
+    first = SyntheticFamily(seed=3, num_train=40, num_heldout=10, num_novel=10)
+    again = SyntheticFamily(seed=3, num_train=40, num_heldout=10, num_novel=10)
+    other = SyntheticFamily(seed=4, num_train=40, num_heldout=10, num_novel=10)
+    for split in ("train", "heldout", "novel"):
         serialized = [t.SerializeToString() for t in first.tasks(split)]
         assert serialized == [t.SerializeToString() for t in again.tasks(split)]
         assert serialized != [t.SerializeToString() for t in other.tasks(split)]
@@ -60,20 +66,28 @@ def test_synthetic_tasks_are_deterministic_per_seed() -> None:
     assert first.task("synthetic/heldout/00004") == first.tasks("heldout")[4]
     with pytest.raises(KeyError, match="synthetic/<split>/<n>"):
         first.task("HumanEval/3")
-    with pytest.raises(ValueError, match="train, heldout"):
+    with pytest.raises(ValueError, match="train, heldout, novel"):
         first.tasks("test")
 
 
-def test_synthetic_splits_share_no_behaviour_and_cover_every_level() -> None:
-    train = [make_task("train", p, 0) for p in range(400)]
-    heldout = [make_task("heldout", p, 0) for p in range(100)]
-    behaviours = {
-        split: {t.metadata["behaviour"] for t in tasks}
-        for split, tasks in (("train", train), ("heldout", heldout))
+def test_synthetic_splits_heldout_instances_and_novel_behaviours() -> None:
+    splits = {
+        split: [make_task(split, p, 0) for p in range(count)]
+        for split, count in (("train", 400), ("heldout", 100), ("novel", 100))
     }
-    assert not behaviours["train"] & behaviours["heldout"]
-    assert all(split_of(b) == split for split, keys in behaviours.items() for b in keys)
-    for tasks in (train, heldout):
+    behaviours = {
+        split: {t.metadata["behaviour"] for t in tasks} for split, tasks in splits.items()
+    }
+    # No training task has a novel behaviour; heldout is new instances of trained ones.
+    assert not behaviours["novel"] & (behaviours["train"] | behaviours["heldout"])
+    assert all(is_novel(b) for b in behaviours["novel"])
+    assert not any(is_novel(b) for b in behaviours["train"] | behaviours["heldout"])
+    assert len(behaviours["heldout"] & behaviours["train"]) >= len(behaviours["heldout"]) // 2
+    # ...but never a training task: their function names are ones training never uses.
+    names = {split: {t.metadata["entry_point"] for t in tasks} for split, tasks in splits.items()}
+    assert all(is_training_name(n) for n in names["train"])
+    assert not any(is_training_name(n) for n in names["heldout"] | names["novel"])
+    for tasks in splits.values():
         assert {t.metadata["level"] for t in tasks} == {"0", "1", "2", "3"}
         assert len({t.task_id for t in tasks}) == len(tasks)
         for task in tasks:

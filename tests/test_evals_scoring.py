@@ -133,10 +133,11 @@ def test_score_of_known_groups() -> None:
 
 def test_suites_are_fixed_lists() -> None:
     suites = load_suites({})
-    assert set(suites) == {"synthetic-heldout", "humaneval"}
+    assert set(suites) == {"synthetic-heldout", "synthetic-novel", "humaneval"}
     humaneval = suites["humaneval"]
     assert len(humaneval.tasks) == 164 and humaneval.tasks[0].task_id == "HumanEval/0"
-    assert all(t.split == "heldout" for s in suites.values() for t in s.tasks)
+    assert {t.split for s in suites.values() for t in s.tasks} == {"heldout", "novel"}
+    assert all(t.split == "novel" for t in suites["synthetic-novel"].tasks)
     again = load_suites({})
     for name, suite in suites.items():  # the same tasks in the same order, every time
         assert [t.SerializeToString() for t in suite.tasks] == [

@@ -35,6 +35,9 @@ from services.config import BaseModelConfig
 
 STAGES = ("init", "cpt", "sft")
 SOLUTION_PATH = "solution.py"
+# Every task's write_file turn is trained; the closing `finish` turn, the same few tokens
+# after a prompt twice as long, only for one task in this many (it is learnt at once).
+FINISH_EVERY = 4
 
 
 def _turn(*pieces: str) -> str:
@@ -81,7 +84,10 @@ def sft_records(seed: int, num_tasks: int) -> Iterator[dict[str, str]]:
 
     for position in range(num_tasks):
         task = make_task("train", position, seed)
-        yield from transcript_examples(task.instruction, task.metadata[CANONICAL_KEY])
+        write, finish = transcript_examples(task.instruction, task.metadata[CANONICAL_KEY])
+        yield write
+        if position % FINISH_EVERY == 0:
+            yield finish
 
 
 @dataclass

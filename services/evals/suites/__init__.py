@@ -55,7 +55,10 @@ class Suite(abc.ABC):
 
 
 class FamilySuite(Suite):
-    """A suite that is a task family's held-out split (or its first tasks)."""
+    """A suite that is one split of a task family (or its first tasks)."""
+
+    # The family's split; None: the one it names for evals (``eval_split``, "heldout").
+    split: ClassVar[str | None] = None
 
     def family_options(self) -> dict[str, Any]:
         """Options the family is loaded with (e.g. a seed)."""
@@ -63,7 +66,7 @@ class FamilySuite(Suite):
 
     def all_tasks(self) -> list[common_pb2.Task]:
         family = load_family(self.family, **self.family_options())
-        return family.tasks(family.eval_split)
+        return family.tasks(self.split or family.eval_split)
 
 
 def suite_classes() -> dict[str, type[Suite]]:

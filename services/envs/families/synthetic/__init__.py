@@ -3,12 +3,22 @@
 Tasks are addressed by (split, position) and made on demand from a seed, so the same
 seed gives the same tasks on every machine and ``task_at(position, seed)`` can feed the
 reconciler (``[reconciler.feeders] generator = "services.envs.families.synthetic:task_at"``).
-The level of a task is ``position % 4`` (levels in ``templates``); its split is a stable
-hash of its behaviour key (20% heldout), and a position draws again until the behaviour
-belongs to the requested split, so train and heldout never share a behaviour.
+The level of a task is ``position % 4`` (levels in ``templates``).
 
-A task's workspace is a stub ``solution.py``; the hidden tests assert a few calls and
-score by the fraction that pass. A completion is the whole new ``solution.py``.
+A *behaviour* is what a function does (its template and constants, e.g. "return the
+number 76"); a *task* is one instance of it (a name, test calls, an example). A stable
+hash of the behaviour key puts 20% of behaviours aside, the same for every seed:
+
+* ``train`` — instances of the other 80% of behaviours;
+* ``heldout`` — fresh instances of those same behaviours: new test calls and examples,
+  and function names no training task uses (a fifth of names is set aside the same
+  way), so a heldout task is never a training task;
+* ``novel`` — behaviours no training task has (new constants, and templates such as
+  "s in upper case" that training never shows): generalisation beyond what was seen.
+
+A position draws again until its behaviour is on the requested side. A task's
+workspace is a stub ``solution.py``; the hidden tests assert a few calls and score by
+the fraction that pass. A completion is the whole new ``solution.py``.
 """
 
 from __future__ import annotations
@@ -33,23 +43,36 @@ from services.envs.families.synthetic.templates import (
 
 SOLUTION_PATH = "solution.py"
 TEST_PATH = f"{GRADING_DIR}/test_synthetic.py"
-HELDOUT_PERCENT = 20
+SET_ASIDE_PERCENT = 20
 TIMEOUT_S = 10.0
 _MAX_DRAWS = 1000
 
 
-def split_of(key: str) -> str:
-    """The split a behaviour belongs to: a hash of its key, the same for every seed."""
-    bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % 100
-    return "heldout" if bucket < HELDOUT_PERCENT else "train"
+def _set_aside(text: str) -> bool:
+    """One in five of all values, by a hash of `text` that is the same for every seed."""
+    return (
+        int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") % 100 < SET_ASIDE_PERCENT
+    )
+
+
+def is_novel(key: str) -> bool:
+    """True for a behaviour kept out of training (its key is set aside)."""
+    return _set_aside(key)
+
+
+def is_training_name(name: str) -> bool:
+    """Training tasks use four in five function names; heldout and novel tasks the rest."""
+    return not _set_aside(f"name:{name}")
 
 
 def _spec(split: str, position: int, seed: int) -> FunctionSpec:
     level = position % NUM_LEVELS
+    novel, training = split == "novel", split == "train"
     for attempt in range(_MAX_DRAWS):
-        # A string seed is hashed (SHA-512) by random.Random: stable across runs.
+        # A string seed is hashed (SHA-512) by random.Random: stable across runs. Names
+        # training never uses keep a heldout instance from ever being a training task.
         spec = draw(level, random.Random(f"synthetic:{seed}:{split}:{position}:{attempt}"))
-        if split_of(spec.key) == split:
+        if is_novel(spec.key) == novel and is_training_name(spec.name) == training:
             return spec
     raise AssertionError(f"level {level} has no behaviour in split {split!r}")
 
@@ -66,7 +89,9 @@ def _tests(spec: FunctionSpec) -> str:
 def make_task(split: str, position: int, seed: int) -> common_pb2.Task:
     """The task at `position` of `split` for `seed`."""
     if split not in SyntheticFamily.splits:
-        raise ValueError(f"synthetic has no split {split!r}; its splits: train, heldout")
+        raise ValueError(
+            f"synthetic has no split {split!r}; its splits: {', '.join(SyntheticFamily.splits)}"
+        )
     if position < 0:
         raise ValueError(f"synthetic task position must be >= 0, got {position}")
     spec = _spec(split, position, seed)
@@ -104,18 +129,20 @@ def task_at(position: int, seed: int) -> common_pb2.Task | None:
 
 
 class SyntheticFamily(TaskFamily):
-    """Generated functions; `num_train` and `num_heldout` fix the size of each split's list."""
+    """Generated functions; `num_train`, `num_heldout` and `num_novel` fix each split's size."""
 
     name = "synthetic"
-    splits = ("train", "heldout")
+    splits = ("train", "heldout", "novel")
 
-    def __init__(self, seed: int = 0, num_train: int = 2000, num_heldout: int = 200) -> None:
-        if num_train < 0 or num_heldout < 0:
-            raise ValueError(
-                f"num_train and num_heldout must be >= 0, got {num_train} and {num_heldout}"
-            )
+    def __init__(
+        self, seed: int = 0, num_train: int = 2000, num_heldout: int = 200, num_novel: int = 200
+    ) -> None:
+        sizes = {"train": num_train, "heldout": num_heldout, "novel": num_novel}
+        for split, size in sizes.items():
+            if size < 0:
+                raise ValueError(f"num_{split} must be >= 0, got {size}")
         self.seed = seed
-        self.sizes = {"train": num_train, "heldout": num_heldout}
+        self.sizes = sizes
 
     def tasks(self, split: str) -> list[common_pb2.Task]:
         self.check_split(split)

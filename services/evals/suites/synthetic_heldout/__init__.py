@@ -1,9 +1,10 @@
 """synthetic-heldout: the synthetic family's held-out split.
 
-The first ``num_tasks`` held-out tasks of a fixed seed. Behaviours are split by a hash
-that is the same for every seed, so none of these is ever a training behaviour; the
-tasks cycle through the four difficulty levels. Correct means every hidden assert
-passes (the rollout reward is the pass fraction).
+The first ``num_tasks`` held-out tasks of a fixed seed: fresh instances (new names,
+test calls and examples) of the behaviours the policy trains on, drawn from a stream
+no training task comes from. The tasks cycle through the four difficulty levels.
+Correct means every hidden assert passes (the rollout reward is the pass fraction).
+Behaviours never trained are the ``synthetic-novel`` suite's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class SyntheticHeldoutSuite(FamilySuite):
 
     def family_options(self) -> dict[str, Any]:
         size = self.settings.num_tasks or DEFAULT_NUM_TASKS
-        return {"seed": self.settings.seed, "num_train": 0, "num_heldout": size}
+        return {"seed": self.settings.seed, "num_train": 0, "num_heldout": size, "num_novel": 0}
 
 
 SUITE = SyntheticHeldoutSuite
