@@ -37,7 +37,7 @@ from tests.reconciler_support import ReconcilerProcess, reconciler
 pytestmark = pytest.mark.integration
 
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
-SYNTHETIC, HUMANEVAL = "synthetic-heldout", "humaneval"
+SYNTHETIC, HUMANEVAL, NOVEL = "synthetic-heldout", "humaneval", "synthetic-novel"
 SUITES = {SYNTHETIC: (4, 4), HUMANEVAL: (3, 2)}  # (tasks, K)
 KS = [1, 2, 4]
 
@@ -172,6 +172,8 @@ def pipeline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             f"evals.suites.{name}": [f"num_tasks = {n}", f"num_samples = {k}"]
             for name, (n, k) in SUITES.items()
         }
+        # Known but not watched: the scripted stack has no plan for its tasks.
+        suite_sections[f"evals.suites.{NOVEL}"] = ["enabled = false"]
         ports = write_config(
             config_path,
             model_dir=tiny_model,
@@ -257,6 +259,7 @@ def test_every_published_version_is_scored(pipeline: Pipeline) -> None:
     assert {(s.name, s.family, s.num_tasks, s.default_num_samples) for s in listed.suites} == {
         (SYNTHETIC, "synthetic", 4, 4),
         (HUMANEVAL, "humaneval", 3, 2),
+        (NOVEL, "synthetic", 100, 4),
     }
     for version in (1, 2):
         pipeline.publish(version)
