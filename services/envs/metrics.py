@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.api.v1 import common_pb2
+from services.envs.rewards import reward_parts
 from services.envs.tools import Tools
 
 ROLLOUTS = Counter(
@@ -64,14 +65,7 @@ _reward_parts: set[str] = set()
 def observe(summary: common_pb2.RolloutSummary, tool_calls: Sequence[str]) -> None:
     """Counts one rollout that ran to its grade (before its completion is reported)."""
     DURATION.observe(summary.stats.wall_s)
-    reward = summary.reward
-    parts = {
-        "total": reward.total,
-        "task": reward.task,
-        "length_penalty": reward.length_penalty,
-        "behaviour": reward.behaviour,
-        **{f"behaviour:{name}": value for name, value in reward.behaviour_parts.items()},
-    }
+    parts = reward_parts(summary.reward)
     _recent_rewards.append(parts)
     _reward_parts.update(parts)
     for part in _reward_parts:

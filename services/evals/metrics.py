@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.envs.rewards import reward_parts
 from services.evals.record import EvalRecord
 
 VERSION = Gauge("etude_evals_version", "Newest policy version scored on the suite.", ["suite"])
@@ -60,15 +61,7 @@ def export(record: EvalRecord) -> None:
     for k, value in record.pass_at_k.items():
         PASS_AT_K.labels(suite, str(k)).set(value)
     BEST_OF_K.labels(suite).set(record.best_of_k)
-    reward = record.mean_reward
-    parts = {
-        "total": reward.total,
-        "task": reward.task,
-        "length_penalty": reward.length_penalty,
-        "behaviour": reward.behaviour,
-        **{f"behaviour:{name}": value for name, value in reward.behaviour_parts.items()},
-    }
-    for part, value in parts.items():
+    for part, value in reward_parts(record.mean_reward).items():
         MEAN_REWARD.labels(suite, part).set(value)
     MEAN_TOKENS.labels(suite).set(record.mean_tokens)
     MEAN_TURNS.labels(suite).set(record.mean_turns)
