@@ -79,7 +79,8 @@ def run(
     """The main job: base model, services, async RL with evals, report; Ctrl-C stops it.
 
     Running it again resumes the run (trainer checkpoint, reconciler state, data cursor)
-    unless --fresh. Without [trainer.job] in the config it only brings the services up.
+    unless --fresh. Without a trainer job (`\\[trainer.job]`) in the config it only
+    brings the services up.
     """
     from services.launcher.run import run_local
 

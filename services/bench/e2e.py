@@ -31,6 +31,7 @@ from typing import Any
 
 from services.bench import BenchResult
 from services.config import SERVICE_NAMES
+from services.evals.suites import suite_classes
 from services.run_config import dumps_toml
 from services.wire.ports import free_port
 
@@ -54,7 +55,7 @@ def _mode_config(base: dict[str, Any], state: Path, run: str, steps: int) -> dic
     job["max_steps"] = steps
     job["metrics_file"] = str(state / "trainer-metrics.jsonl")
     suites = data.setdefault("evals", {}).setdefault("suites", {})
-    for suite in ("synthetic-heldout", "humaneval"):
+    for suite in suite_classes():
         suites[suite] = {**suites.get(suite, {}), "enabled": False}
     data["evals"]["watch"] = False
     return data
