@@ -148,3 +148,21 @@ def test_summary_counts_groups_staleness_and_versions(tmp_path: Path) -> None:
     assert (tmp_path / "report" / "reward.png").stat().st_size > 0
     assert "reward.png" in page.read_text()
     assert json.loads((tmp_path / "report" / "summary.json").read_text())["steps"] == 3
+
+
+def test_live_view_counts_training_groups_apart_from_kept_eval_results() -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from services.launcher.observe import Snapshot, view
+
+    shot = Snapshot(taken_at=0.0, steps=[{"step": 3, "version": 3}], evals={})
+    # 700 finished eval groups stay READY (their results are kept); 5 eval groups run.
+    shot.groups_by_state = {"RUNNING": 9, "READY": 702, "COMMITTED": 12}
+    shot.training_groups_by_state = {"RUNNING": 4, "READY": 2, "COMMITTED": 12}
+    console = Console(width=200, record=True)
+    console.print(view(shot, "training", Table(), max_steps=30))
+    text = console.export_text()
+    assert "training groups" in text and "committed 12  ready 2  running 4" in text
+    assert "ready 702" not in text
+    assert re.search(r"eval groups running\s+│?\s*5\b", text), text

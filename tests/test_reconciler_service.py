@@ -291,6 +291,7 @@ def test_feeder_resumes_after_restart_without_duplicates(tmp_path: Path) -> None
         asyncio.run(drive(server, 10))
         expected = [
             'etude_reconciler_groups{state="COMMITTED"} 10.0',
+            'etude_reconciler_training_groups{state="COMMITTED"} 10.0',
             'etude_reconciler_slots{state="COMPLETE"} 20.0',
         ]
         deadline = time.monotonic() + 10  # the snapshot refreshes every reap interval

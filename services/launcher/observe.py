@@ -102,6 +102,7 @@ class Snapshot:
     steps: list[dict[str, Any]]
     evals: dict[str, dict[int, EvalRecord]]
     groups_by_state: dict[str, float] = field(default_factory=dict)
+    training_groups_by_state: dict[str, float] = field(default_factory=dict)
     slots_by_state: dict[str, float] = field(default_factory=dict)
     serving_version: float | None = None
     update_pauses: int = 0
@@ -126,6 +127,9 @@ def snapshot(
     )
     reconciler = scrape(config.reconciler.http.port)
     shot.groups_by_state = by_label(reconciler, "etude_reconciler_groups", "state")
+    shot.training_groups_by_state = by_label(
+        reconciler, "etude_reconciler_training_groups", "state"
+    )
     shot.slots_by_state = by_label(reconciler, "etude_reconciler_slots", "state")
     inference = scrape(config.inference.http.port)
     shot.serving_version = single(inference, "etude_inference_serving_version")
@@ -174,10 +178,12 @@ def view(shot: Snapshot, phase: str, services: Table, max_steps: int) -> RenderG
     training.add_row("reward parts", _reward_parts(last) or "-")
     training.add_row("staleness (mean)", _fmt(last.get("staleness_mean"), 2))
     training.add_row("tokens/s (trainer)", _fmt(last.get("tokens_per_s"), 0))
-    groups = "  ".join(
-        f"{k.lower()} {int(v)}" for k, v in sorted(shot.groups_by_state.items()) if v
-    )
-    training.add_row("groups by state", groups or "-")
+    training_groups = shot.training_groups_by_state
+    groups = "  ".join(f"{k.lower()} {int(v)}" for k, v in sorted(training_groups.items()) if v)
+    training.add_row("training groups", groups or "-")
+    # Eval groups in flight (a finished one stays READY: its result is kept, not consumed).
+    running = shot.groups_by_state.get("RUNNING", 0) - training_groups.get("RUNNING", 0)
+    training.add_row("eval groups running", str(int(running)))
     pause = shot.last_update_pause_s
     training.add_row(
         "weight updates", f"{shot.update_pauses} (mean pause {_fmt(pause, 2)} s)" if pause else "0"

@@ -39,6 +39,13 @@ class StateSnapshot(Collector):
         groups = GaugeMetricFamily("etude_reconciler_groups", "Groups by state.", labels=["state"])
         for state in GROUP_STATES:
             groups.add_metric([state], counts.get(f"group:{state}", 0))
+        training = GaugeMetricFamily(
+            "etude_reconciler_training_groups",
+            "Training groups by state (eval groups stay READY: their results are kept).",
+            labels=["state"],
+        )
+        for state in GROUP_STATES:
+            training.add_metric([state], counts.get(f"train_group:{state}", 0))
         expiries = CounterMetricFamily(
             "etude_reconciler_lease_expiries", "Leases that expired (worker lost)."
         )
@@ -60,7 +67,7 @@ class StateSnapshot(Collector):
             "etude_reconciler_policy_version", "Newest published policy version."
         )
         version.add_metric([], self.policy_version)
-        yield from (slots, groups, expiries, rejected, stale, dead, version)
+        yield from (slots, groups, training, expiries, rejected, stale, dead, version)
 
 
 SNAPSHOT = StateSnapshot()
