@@ -214,6 +214,11 @@ class BaseModelConfig(StrictModel):
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up of each stage, in steps.")
     tokens_per_step: int = Field(8192, ge=64, description="Tokens per optimizer step.")
     max_seq_len: int = Field(512, ge=16, description="Longer examples are truncated.")
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Activation dtype of CPT and SFT (weights are float32 either way). On "
+        "CPU, float32 steps ran about 1.5x faster than bfloat16 autocast.",
+    )
 
 
 class LauncherConfig(StrictModel):

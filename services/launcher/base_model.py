@@ -123,7 +123,7 @@ def _train_stage(
     job = JobConfig.model_validate(
         {
             "phase": stage,
-            "model": {"compute_dtype": "bfloat16"},
+            "model": {"compute_dtype": settings.compute_dtype},
             "optimizer": {
                 "lr": lr,
                 "warmup_steps": settings.warmup_steps,
