@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
+import uvloop
 from grpc import aio
 
 from services.api.v1 import common_pb2, reconciler_pb2, reconciler_pb2_grpc
@@ -294,5 +295,7 @@ class ReconcilerService(Service):
 
 
 def run(config: EtudeConfig) -> None:
-    """Runs the reconciler until SIGTERM."""
+    """Runs the reconciler until SIGTERM, on uvloop."""
+    # Each call is a gRPC answer and a Redis round trip; uvloop spends less CPU on both.
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     run_service(ReconcilerService, config)

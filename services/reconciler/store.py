@@ -7,6 +7,7 @@ so ids are never reused even when Redis loses its last second of writes.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import secrets
 from collections.abc import Iterable, Sequence
@@ -16,7 +17,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.api.v1 import common_pb2, reconciler_pb2
@@ -81,18 +82,23 @@ class SlotStore:
         self.redis = client
         self.prefix = run_prefix(run_name)
         self.config = config
-        prelude = resources.files("services.reconciler").joinpath("lua/prelude.lua").read_text()
-        self._scripts = {
-            name: client.register_script(
-                prelude
-                + resources.files("services.reconciler").joinpath(f"lua/{name}.lua").read_text()
-            )
-            for name in _SCRIPTS
-        }
+        lua = resources.files("services.reconciler").joinpath("lua")
+        prelude = lua.joinpath("prelude.lua").read_text()
+        self._scripts: dict[str, tuple[str, str]] = {}  # name -> (SHA-1, source)
+        for name in _SCRIPTS:
+            source = prelude + lua.joinpath(f"{name}.lua").read_text()
+            self._scripts[name] = (hashlib.sha1(source.encode()).hexdigest(), source)
 
     async def _run(self, name: str, *args: Any) -> Any:
+        # EVALSHA straight away: every transition is one round trip, and the scripts are
+        # loaded only when this Redis has not seen them (a fresh or restarted server).
+        sha, source = self._scripts[name]
         try:
-            return await self._scripts[name](keys=[self.prefix], args=list(args))
+            try:
+                return await self.redis.execute_command("EVALSHA", sha, 1, self.prefix, *args)
+            except NoScriptError:
+                await self.redis.script_load(source)
+                return await self.redis.execute_command("EVALSHA", sha, 1, self.prefix, *args)
         except ResponseError as error:
             raise _translate(error) from error
 

@@ -45,8 +45,8 @@ for kind in string.gmatch(ARGV[7], '[^,]+') do
       local token = ARGV[7 + claimed]
       local attempt = tonumber(s[3]) + 1
       redis.call('HSET', sk, 'token', token, 'attempts', attempt, 'worker', worker,
-        'expires', now + ttl, 'ttl', ttl, 'lease_version', version)
-      slot_state(sk, 'PENDING', 'LEASED')
+        'expires', now + ttl, 'ttl', ttl, 'lease_version', version, 'state', 'LEASED')
+      count_slot('PENDING', 'LEASED')
       redis.call('ZADD', P .. ':leases', now + ttl, sid)
       redis.call('HINCRBY', P .. ':leased_by_version', version, 1)
       local start = g[2]

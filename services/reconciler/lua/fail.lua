@@ -4,20 +4,22 @@ local sid, token, reason = ARGV[1], ARGV[2], ARGV[3]
 local retryable, max_attempts = ARGV[4] == '1', tonumber(ARGV[5])
 local now = now_ms()
 local sk = slot_key(sid)
-local problem = check_lease(sid, sk, token, now)
+local s = redis.call('HMGET', sk, 'state', 'token', 'expires', 'attempts', 'score', 'group',
+  'lease_version')
+local problem = lease_problem(sid, s[1], s[2], s[3], token, now)
 if problem then return problem end
-release_lease(sid, sk)
-local s = redis.call('HMGET', sk, 'attempts', 'score', 'group')
-local attempts = tonumber(s[1])
-redis.call('HSET', sk, 'last_failure', reason, 'token', '')
+release_lease_of(sid, s[7])
+local attempts, score, gid = tonumber(s[4]), tonumber(s[5]), s[6]
 if retryable and attempts < max_attempts then
-  slot_state(sk, 'LEASED', 'PENDING')
-  local kind = redis.call('HGET', group_key(s[3]), 'kind')
-  redis.call('ZADD', P .. ':pending:' .. kind, tonumber(s[2]), sid)
+  redis.call('HSET', sk, 'last_failure', reason, 'token', '', 'state', 'PENDING')
+  count_slot('LEASED', 'PENDING')
+  local kind = redis.call('HGET', group_key(gid), 'kind')
+  redis.call('ZADD', P .. ':pending:' .. kind, score, sid)
   return {'PENDING', attempts}
 end
-slot_state(sk, 'LEASED', 'DEAD')
+redis.call('HSET', sk, 'last_failure', reason, 'token', '', 'state', 'DEAD')
+count_slot('LEASED', 'DEAD')
 redis.call('HINCRBY', P .. ':dead_reasons', reason, 1)
-redis.call('HINCRBY', group_key(s[3]), 'n_dead', 1)
-settle(s[3], now)
+redis.call('HINCRBY', group_key(gid), 'n_dead', 1)
+settle(gid, now)
 return {'DEAD', attempts}

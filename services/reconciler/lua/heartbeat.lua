@@ -3,9 +3,10 @@
 local sid, token = ARGV[1], ARGV[2]
 local now = now_ms()
 local sk = slot_key(sid)
-local problem = check_lease(sid, sk, token, now)
+local s = redis.call('HMGET', sk, 'state', 'token', 'expires', 'ttl')
+local problem = lease_problem(sid, s[1], s[2], s[3], token, now)
 if problem then return problem end
-local ttl = tonumber(redis.call('HGET', sk, 'ttl'))
+local ttl = tonumber(s[4])
 redis.call('HSET', sk, 'expires', now + ttl)
 redis.call('ZADD', P .. ':leases', now + ttl, sid)
 return ttl

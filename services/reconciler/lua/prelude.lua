@@ -16,10 +16,16 @@ local function count(kind, state, delta)
   redis.call('HINCRBY', P .. ':counts', kind .. ':' .. state, delta)
 end
 
-local function slot_state(sk, old, new)
-  redis.call('HSET', sk, 'state', new)
+-- Moves a slot between the counts by state. Scripts that write other fields of the slot
+-- set 'state' in that same HSET and call this; the others call slot_state.
+local function count_slot(old, new)
   count('slot', old, -1)
   count('slot', new, 1)
+end
+
+local function slot_state(sk, old, new)
+  redis.call('HSET', sk, 'state', new)
+  count_slot(old, new)
 end
 
 local function group_state(gid, old, new)
@@ -35,10 +41,14 @@ local function group_state(gid, old, new)
 end
 
 -- Ends a lease: the slot is no longer counted against its policy version's cap.
-local function release_lease(sid, sk)
+-- `version` is the slot's lease_version field (false when it has none).
+local function release_lease_of(sid, version)
   redis.call('ZREM', P .. ':leases', sid)
-  local version = redis.call('HGET', sk, 'lease_version')
   if version then redis.call('HINCRBY', P .. ':leased_by_version', version, -1) end
+end
+
+local function release_lease(sid, sk)
+  release_lease_of(sid, redis.call('HGET', sk, 'lease_version'))
 end
 
 -- Group data of a run is kept this long once nobody will change it again (0 = forever);
@@ -74,13 +84,14 @@ local function settle(gid, now)
   return 'DROPPED'
 end
 
--- A valid lease: the slot is leased, with this token, and has not expired.
-local function check_lease(sid, sk, token, now)
-  local s = redis.call('HMGET', sk, 'state', 'token', 'expires')
-  if not s[1] then return redis.error_reply('NOT_FOUND slot ' .. sid) end
-  if s[1] ~= 'LEASED' or s[2] ~= token or tonumber(s[3]) <= now then
+-- A valid lease: the slot is leased, with this token, and has not expired. `state`,
+-- `held` and `expires` are the slot's fields of those names, read by the caller in the
+-- same HMGET as whatever else it needs of the slot.
+local function lease_problem(sid, state, held, expires, token, now)
+  if not state then return redis.error_reply('NOT_FOUND slot ' .. sid) end
+  if state ~= 'LEASED' or held ~= token or tonumber(expires) <= now then
     redis.call('HINCRBY', P .. ':counts', 'rejected:lease_lost', 1)
-    return redis.error_reply('LEASE_LOST slot ' .. sid .. ' is ' .. s[1] .. ' under another lease or expired')
+    return redis.error_reply('LEASE_LOST slot ' .. sid .. ' is ' .. state .. ' under another lease or expired')
   end
   return nil
 end
