@@ -166,3 +166,43 @@ def test_live_view_counts_training_groups_apart_from_kept_eval_results() -> None
     assert "training groups" in text and "committed 12  ready 2  running 4" in text
     assert "ready 702" not in text
     assert re.search(r"eval groups running\s+│?\s*5\b", text), text
+
+
+def test_a_pinned_service_and_its_children_run_on_their_cpus(tmp_path: Path) -> None:
+    from services.launcher.processes import ManagedProcess
+
+    cpu = min(os.sched_getaffinity(0))
+    # The child starts a grandchild (as vLLM starts its engine): both report their CPUs.
+    script = (
+        "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0)), flush=True); "
+        "subprocess.run([sys.executable, '-c', "
+        "'import os; print(sorted(os.sched_getaffinity(0)))'])"
+    )
+    process = ManagedProcess(
+        name="pinned",
+        argv=[sys.executable, "-c", script],
+        log_path=tmp_path / "pinned.log",
+        cpus=(cpu,),
+    )
+    process.start()
+    assert process.popen is not None and process.popen.wait(30) == 0
+    assert (tmp_path / "pinned.log").read_text().split("\n")[:2] == [f"[{cpu}]"] * 2
+
+
+def test_cpu_affinity_naming_a_missing_cpu_fails_before_anything_starts(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from services.launcher.run import LocalRun, RunFailed, RunOptions
+    from services.run_config import load_config
+
+    config = tmp_path / "config.toml"
+    missing = max(os.sched_getaffinity(0)) + 1
+    write_config(
+        config,
+        model_dir=tmp_path / "model",
+        state_dir=tmp_path / "state",
+        extra={"launcher.cpu_affinity": [f"trainer = [{missing}]"]},
+    )
+    run = LocalRun(load_config(config, environ={}), config, Console(), RunOptions())
+    with pytest.raises(RunFailed, match=rf"launcher.cpu_affinity.trainer: CPU \[{missing}\]"):
+        run._check_cpu_affinity()

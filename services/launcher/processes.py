@@ -22,6 +22,7 @@ class ManagedProcess:
     argv: list[str]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()  # the CPUs it may run on; empty: any
     popen: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
 
@@ -42,6 +43,9 @@ class ManagedProcess:
                 env={**os.environ, **self.env},
                 start_new_session=True,
             )
+        if self.cpus:
+            # Set before the child has started any thread or process: all of them inherit it.
+            os.sched_setaffinity(self.popen.pid, self.cpus)
         self.started_at = time.time()
         log.info("started %s (pid %d), log %s", self.name, self.popen.pid, self.log_path)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import shutil
 import signal
@@ -164,7 +165,18 @@ class LocalRun:
             Path(store.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
         if self.options.sync:
             self._make_synchronous()
+        self._check_cpu_affinity()
         self._prepare_model()
+
+    def _check_cpu_affinity(self) -> None:
+        available = os.sched_getaffinity(0)
+        for name, cpus in self.config.launcher.cpu_affinity.items():
+            missing = sorted(set(cpus) - available)
+            if missing:
+                raise RunFailed(
+                    f"launcher.cpu_affinity.{name}: CPU {missing} not available here "
+                    f"(this process may use {sorted(available)})"
+                )
 
     @property
     def store(self) -> Any:
@@ -259,11 +271,18 @@ class LocalRun:
     def start_service(self, name: ServiceName) -> None:
         """Starts one service process (again, when it was running before)."""
         config_args = ["--config", str(self.config_path)] if self.config_path else []
+        cpus = tuple(self.config.launcher.cpu_affinity.get(name, ()))
+        env = dict(self.child_env)
+        if cpus and name == "inference" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM's CPU worker binds its OpenMP threads itself ("auto" keeps a core of
+            # the allowed set for its scheduler): give it the same cores explicitly.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
         process = ManagedProcess(
             name=name,
             argv=[sys.executable, "-m", f"services.{name}", *config_args],
             log_path=self.state_dir / "logs" / f"{name}.log",
-            env=self.child_env,
+            env=env,
+            cpus=cpus,
         )
         process.start()
         if name in self.services:
