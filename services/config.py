@@ -217,7 +217,7 @@ class BaseModelConfig(StrictModel):
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="Activation dtype of CPT and SFT (weights are float32 either way). On "
-        "CPU, float32 steps ran about 1.5x faster than bfloat16 autocast.",
+        "this CPU a one-thread float32 step ran about 1.5x faster than bfloat16 autocast.",
     )
 
 
