@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class StrictModel(BaseModel):
@@ -248,17 +248,11 @@ class LauncherConfig(StrictModel):
     base_model: BaseModelConfig = Field(
         default_factory=BaseModelConfig, description="Building the base model (CPT + SFT)."
     )
-    cpu_affinity: dict[ServiceName, list[Annotated[int, Field(ge=0)]]] = Field(
+    cpu_affinity: dict[
+        ServiceName, Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    ] = Field(
         default_factory=dict,
         description="CPUs a service's processes may run on, e.g. {inference = [0], trainer = "
         "[1]}: dedicated cores, as a cluster gives inference and the trainer their own "
         "devices. Unlisted services run anywhere; empty keeps every service unpinned.",
     )
-
-    @field_validator("cpu_affinity")
-    @classmethod
-    def _cpus_listed(cls, value: dict[str, list[int]]) -> dict[str, list[int]]:
-        for service, cpus in value.items():
-            if not cpus:
-                raise ValueError(f"cpu_affinity.{service}: give at least one CPU")
-        return value

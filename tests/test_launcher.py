@@ -206,3 +206,12 @@ def test_cpu_affinity_naming_a_missing_cpu_fails_before_anything_starts(tmp_path
     run = LocalRun(load_config(config, environ={}), config, Console(), RunOptions())
     with pytest.raises(RunFailed, match=rf"launcher.cpu_affinity.trainer: CPU \[{missing}\]"):
         run._check_cpu_affinity()
+
+
+def test_cpu_affinity_needs_a_cpu_per_listed_service() -> None:
+    from pydantic import ValidationError
+
+    from services.config import LauncherConfig
+
+    with pytest.raises(ValidationError, match=r"cpu_affinity\.inference\n.*at least 1 item"):
+        LauncherConfig.model_validate({"cpu_affinity": {"inference": []}})
