@@ -13,6 +13,8 @@ from services.trainer.model import (
     PackedInputs,
     Qwen3MoE,
     load_pretrained,
+    resolve_compute_dtype,
+    resolve_experts_precision,
     save_pretrained,
     token_logprobs,
 )
@@ -174,3 +176,18 @@ def test_the_model_trains_with_the_reports_precision_recipe(tiny_model: Path) ->
     batch = [to_microbatch([Example(tokens, [True] * len(tokens))])]
     losses = [learner.sft_step(batch, step)["loss"] for step in range(3)]
     assert losses[2] < losses[0] - 0.3, losses
+
+
+def test_auto_compute_dtype_is_bf16_only_where_bf16_gemms_are_native() -> None:
+    assert resolve_compute_dtype("float32") == torch.float32
+    assert resolve_compute_dtype("bfloat16") == torch.bfloat16
+    assert resolve_compute_dtype("auto", "cuda") == torch.bfloat16
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert resolve_compute_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+
+
+def test_auto_expert_precision_follows_the_compute_dtype() -> None:
+    assert resolve_experts_precision("auto", torch.float32).precision == "fp32"
+    assert resolve_experts_precision("auto", torch.bfloat16).precision == "bf16"
+    chosen = resolve_experts_precision("nvfp4_fwd_mxfp8_bwd", torch.float32, "emulated")
+    assert (chosen.precision, chosen.backend) == ("nvfp4_fwd_mxfp8_bwd", "emulated")

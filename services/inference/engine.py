@@ -37,6 +37,14 @@ DEFAULT_VERSION_LABEL = "default"
 CAPTURE_EXTENSION = "services.inference.capture.RoutingCapture"
 
 
+def engine_dtype(setting: str, on_cuda: bool) -> str:
+    """The dtype vLLM runs in: ``auto`` is bfloat16 on a GPU and on a CPU whose GEMMs take
+    bf16 natively (oneDNN on AVX-512 or AMX), float32 on other CPUs."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if on_cuda or torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+
+
 @dataclass
 class Chunk:
     """New output of one request since the previous chunk."""
@@ -82,6 +90,7 @@ class Engine:
         self._labels: dict[str, int] = {DEFAULT_VERSION_LABEL: self.serving_version}
         self._llm: Any = None
         self.on_cuda = torch.cuda.is_available()
+        self.dtype = engine_dtype(config.dtype, self.on_cuda)
         self.capture_mode = "off"  # "native" | "worker" | "off"
         self.routing_shape: tuple[int, int] | None = None  # (moe layers, top_k)
         self.num_in_flight = 0
@@ -103,7 +112,7 @@ class Engine:
             kwargs["enable_return_routed_experts"] = True
         return AsyncEngineArgs(
             model=str(config.model_dir),
-            dtype=config.dtype,
+            dtype=self.dtype,
             max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs,
             enforce_eager=config.enforce_eager,
@@ -124,7 +133,10 @@ class Engine:
 
         args = self._engine_args()
         log.info(
-            "starting vLLM on %s (max_model_len %d)", self.config.model_dir, self.max_model_len
+            "starting vLLM on %s (%s, max_model_len %d)",
+            self.config.model_dir,
+            self.dtype,
+            self.max_model_len,
         )
         self._llm = await asyncio.wait_for(
             asyncio.to_thread(AsyncLLM.from_engine_args, args), self.config.start_timeout_s

@@ -24,15 +24,19 @@ class ModelSettings(StrictModel):
         description="HF model directory to start from; unset means inference.engine.model_dir "
         "(the model inference serves).",
     )
-    compute_dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="Activation dtype; weights stay float32 master copies."
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="Activation dtype; weights stay float32 master copies. 'auto': bfloat16 "
+        "on an accelerator and on a CPU with native bf16 GEMMs (AVX-512/AMX), float32 on "
+        "other CPUs, where torch's bf16 GEMM is a scalar fallback (about 8x slower).",
     )
     # The fields of services.trainer.precision.PrecisionConfig the job sets; importing that
     # package here would import torch into every service's config parsing.
-    experts_precision: Literal["bf16", "nvfp4_fwd_mxfp8_bwd", "fp32"] = Field(
-        "bf16",
+    experts_precision: Literal["auto", "bf16", "nvfp4_fwd_mxfp8_bwd", "fp32"] = Field(
+        "auto",
         description="Recipe of the expert GEMMs: 'bf16', 'nvfp4_fwd_mxfp8_bwd' (the report's "
-        "NVFP4-variant forward, MXFP8 backward) or 'fp32'.",
+        "NVFP4-variant forward, MXFP8 backward), 'fp32', or 'auto' (that of the compute "
+        "dtype: fp32 for float32, bf16 for bfloat16).",
     )
     experts_backend: Literal["auto", "emulated", "blackwell"] = Field(
         "auto", description="Kernel backend of the quantized recipe (see docs/precision.md)."

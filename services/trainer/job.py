@@ -53,8 +53,7 @@ from services.trainer.checkpoint import CheckpointInfo, CheckpointStore
 from services.trainer.config import JobConfig
 from services.trainer.distributed.layout import check_job
 from services.trainer.learner import Learner
-from services.trainer.model import Architecture, save_pretrained
-from services.trainer.precision import PrecisionConfig
+from services.trainer.model import Architecture, resolve_experts_precision, save_pretrained
 from services.trainer.publishing import PolicyPublisher
 from services.trainer.sft import ExampleStream, open_source, to_microbatch
 
@@ -231,9 +230,10 @@ class TrainingJob:
             model = calibrate(
                 arch,
                 dtype=self.learner.model.dtype,
-                precision=PrecisionConfig(
-                    precision=self.job.model.experts_precision,
-                    backend=self.job.model.experts_backend,
+                precision=resolve_experts_precision(
+                    self.job.model.experts_precision,
+                    self.learner.model.dtype,
+                    self.job.model.experts_backend,
                 ),
                 device=self.runtime.device,
             )

@@ -19,14 +19,14 @@ from services.trainer.batch import Microbatch, RLBatch
 from services.trainer.config import JobConfig
 from services.trainer.loss import next_token_loss, policy_loss
 from services.trainer.model import (
-    DTYPES,
     ForwardOutput,
     Qwen3MoE,
     load_pretrained,
+    resolve_compute_dtype,
+    resolve_experts_precision,
     token_logprobs,
 )
 from services.trainer.optim import build_optimizers, clip_and_step, set_learning_rate
-from services.trainer.precision import PrecisionConfig
 
 if TYPE_CHECKING:
     from services.trainer.distributed.runtime import Runtime
@@ -60,11 +60,14 @@ class Learner:
         With a ``runtime`` both are sharded for this rank (``distributed.parallelize``).
         """
         settings = job.model
+        dtype = resolve_compute_dtype(
+            settings.compute_dtype, runtime.device if runtime is not None else "cpu"
+        )
         model = load_pretrained(
             model_dir,
-            dtype=DTYPES[settings.compute_dtype],
-            experts_precision=PrecisionConfig(
-                precision=settings.experts_precision, backend=settings.experts_backend
+            dtype=dtype,
+            experts_precision=resolve_experts_precision(
+                settings.experts_precision, dtype, settings.experts_backend
             ),
             replay_min_prob_ratio=job.replay.min_prob_ratio,
             num_mtp_heads=settings.num_mtp_heads,

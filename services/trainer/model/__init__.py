@@ -16,6 +16,8 @@ from services.trainer.model.transformer import (
     ForwardOutput,
     PackedInputs,
     Qwen3MoE,
+    resolve_compute_dtype,
+    resolve_experts_precision,
     token_logprobs,
 )
 
@@ -30,6 +32,8 @@ __all__ = [
     "filter_replay",
     "from_hf",
     "load_pretrained",
+    "resolve_compute_dtype",
+    "resolve_experts_precision",
     "save_pretrained",
     "to_hf",
     "token_logprobs",
