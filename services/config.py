@@ -211,6 +211,14 @@ class BaseModelConfig(StrictModel):
     sft_tasks: int = Field(
         4000, ge=1, description="Synthetic training tasks whose transcripts make the SFT data."
     )
+    sft_flawed_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Share of SFT transcripts whose solution prints its result instead of "
+        "returning it: an imperfect teacher, as demonstration data is. Imitation learns the "
+        "habit; RL on test results can unlearn it. 0 gives a flawless teacher.",
+    )
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up of each stage, in steps.")
     tokens_per_step: int = Field(8192, ge=64, description="Tokens per optimizer step.")
     max_seq_len: int = Field(512, ge=16, description="Longer examples are truncated.")

@@ -8,8 +8,14 @@ The report's recipe in miniature. ``etude run`` builds it once, at
 2. ``cpt``: continued pretraining on that corpus (Python modules and harness
    transcripts), every token trained;
 3. ``sft``: supervised fine-tuning on agent transcripts of synthetic *training* tasks in
-   the harness's exact format (system prompt, task, ``write_file`` with the reference
+   the harness's exact format (system prompt, task, ``write_file`` with the teacher's
    solution, the tool's answer, ``finish``), trained on the assistant's tokens only.
+
+The teacher is imperfect, as demonstration data is: in ``sft_flawed_fraction`` of its
+transcripts it prints its result where it should return it (a beginner's habit, the
+same in every template). Imitation learns the habit along with everything else; RL,
+whose reward runs the tests, is what can unlearn it. A fraction of 0 gives a flawless
+teacher.
 
 Each stage is a complete HF model directory under ``<model_dir>.stages/`` (written
 aside and renamed), so an interrupted build resumes at the stage it was in. The
@@ -21,6 +27,8 @@ Held-out tasks never enter the SFT data (the synthetic family splits by behaviou
 from __future__ import annotations
 
 import json
+import random
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -38,6 +46,7 @@ SOLUTION_PATH = "solution.py"
 # Every task's write_file turn is trained; the closing `finish` turn, the same few tokens
 # after a prompt twice as long, only for one task in this many (it is learnt at once).
 FINISH_EVERY = 4
+_RETURN = re.compile(r"^(\s*)return (.+)$", re.MULTILINE)
 
 
 def _turn(*pieces: str) -> str:
@@ -77,14 +86,31 @@ def transcript_examples(instruction: str, solution: str) -> list[dict[str, str]]
     ]
 
 
-def sft_records(seed: int, num_tasks: int) -> Iterator[dict[str, str]]:
-    """SFT examples from the first ``num_tasks`` synthetic training tasks of ``seed``."""
+def printing_instead_of_returning(source: str) -> str:
+    """``source`` with every ``return x`` made ``print(x)``: the teacher's flaw."""
+    flawed = _RETURN.sub(r"\1print(\2)", source)
+    if flawed == source:
+        raise ValueError(f"no return statement to flaw in:\n{source}")
+    return flawed
+
+
+def sft_records(
+    seed: int, num_tasks: int, flawed_fraction: float = 0.0
+) -> Iterator[dict[str, str]]:
+    """SFT examples from the first ``num_tasks`` synthetic training tasks of ``seed``;
+    the solution of a task prints instead of returning with probability
+    ``flawed_fraction`` (drawn from ``seed`` and the task's position)."""
     from services.envs.families import CANONICAL_KEY
     from services.envs.families.synthetic import make_task
 
+    if not 0.0 <= flawed_fraction <= 1.0:
+        raise ValueError(f"flawed_fraction must be in [0, 1], got {flawed_fraction}")
     for position in range(num_tasks):
         task = make_task("train", position, seed)
-        write, finish = transcript_examples(task.instruction, task.metadata[CANONICAL_KEY])
+        solution = task.metadata[CANONICAL_KEY]
+        if random.Random(f"teacher:{seed}:{position}").random() < flawed_fraction:
+            solution = printing_instead_of_returning(solution)
+        write, finish = transcript_examples(task.instruction, solution)
         yield write
         if position % FINISH_EVERY == 0:
             yield finish
@@ -204,7 +230,7 @@ def build_base_model(
     data_file = stages / "sft.jsonl"
     partial = data_file.with_suffix(".jsonl.partial")
     with partial.open("w") as out:
-        for record in sft_records(settings.seed, settings.sft_tasks):
+        for record in sft_records(settings.seed, settings.sft_tasks, settings.sft_flawed_fraction):
             out.write(json.dumps(record) + "\n")
     partial.replace(data_file)
     reports.append(

@@ -1,0 +1,64 @@
+"""The base model's SFT data: transcripts of training tasks from an imperfect teacher."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from services.envs.families import CANONICAL_KEY
+from services.envs.families.synthetic import make_task
+from services.envs.families.synthetic.templates import NUM_LEVELS, draw, expected_values
+from services.launcher.base_model import printing_instead_of_returning, sft_records
+
+
+def _written_solution(record: dict[str, str]) -> str | None:
+    """The ``content`` of a ``write_file`` completion, None for any other turn."""
+    call = record["completion"].removeprefix("<|tool_call|>").partition("<|/tool_call|>")[0]
+    parsed = json.loads(call)
+    return parsed["arguments"]["content"] if parsed["name"] == "write_file" else None
+
+
+@pytest.mark.parametrize("level", range(NUM_LEVELS))
+def test_the_flaw_keeps_every_template_runnable_but_wrong(level: int) -> None:
+    for draw_index in range(40):
+        spec = draw(level, random.Random(f"flaw:{level}:{draw_index}"))
+        flawed = printing_instead_of_returning(spec.source)
+        assert "return " not in flawed and "print(" in flawed
+        namespace: dict[str, object] = {}
+        exec(flawed, namespace)  # our own templates, made to print
+        function = namespace[spec.name]
+        assert callable(function)
+        results = [eval(f"__f({call})", {"__f": function}) for call in spec.calls]
+        assert results == [None] * len(spec.calls)
+        assert expected_values(spec) != ["None"] * len(spec.calls)
+
+
+def test_source_without_a_return_cannot_be_flawed() -> None:
+    with pytest.raises(ValueError, match="no return statement"):
+        printing_instead_of_returning('def f():\n    """Return nothing."""\n    pass\n')
+
+
+def test_the_flawed_fraction_of_transcripts_prints() -> None:
+    def printing(fraction: float) -> list[bool]:
+        solutions = [_written_solution(r) for r in sft_records(3, 200, fraction)]
+        return ["print(" in s for s in solutions if s is not None]
+
+    assert not any(printing(0.0))
+    assert all(printing(1.0))
+    half = printing(0.5)
+    assert len(half) == 200
+    assert 70 <= sum(half) <= 130
+    assert half == printing(0.5)  # the same teacher for the same seed
+
+
+def test_a_flawless_teacher_writes_the_reference_solutions() -> None:
+    solutions = [_written_solution(r) for r in sft_records(5, 20, 0.0)]
+    references = [make_task("train", i, 5).metadata[CANONICAL_KEY] for i in range(20)]
+    assert [s for s in solutions if s is not None] == references
+
+
+def test_a_fraction_outside_zero_to_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="flawed_fraction"):
+        list(sft_records(0, 1, 1.5))
