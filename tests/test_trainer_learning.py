@@ -96,7 +96,7 @@ def _reward(completion: list[int]) -> float:
 
 
 async def test_rl_raises_the_mean_reward(tiny_model: Path, tmp_path: Path) -> None:
-    steps, groups_per_step, group_size = 16, 4, 4
+    steps, groups_per_step, group_size = 24, 4, 4
     metrics_file = tmp_path / "rl.jsonl"
     with reconciler(tmp_path, extra="max_staleness = 4") as server:
         config = _config(
@@ -144,7 +144,8 @@ async def test_rl_raises_the_mean_reward(tiny_model: Path, tmp_path: Path) -> No
     records = _records(metrics_file)
     rewards = [r["reward_total_mean"] for r in records]
     assert len(rewards) == steps
-    # Measured: ~0.11 over the first three steps, ~0.76 over the last three.
+    # Measured (float32 experts): ~0.11 over the first three steps, 0.45 at step 16 and
+    # ~0.94 over the last three.
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
     # The reference is the start policy, then the policy of every fifth step: the first
     # step after a refresh measures the KL against the very weights it starts from.
