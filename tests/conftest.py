@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.config import SERVICE_NAMES
-from services.wire.ports import free_port
+from services.wire.ports import free_port, free_ports
 from tests.objectstore_support import CREDENTIALS, MIN_PART
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +47,8 @@ def write_config(
 
     `extra` adds lines to sections: {"inference": ["follow_weights = true"], ...}.
     """
-    ports = {name: (free_port(), free_port()) for name in SERVICE_NAMES}
+    distinct = iter(free_ports(2 * len(SERVICE_NAMES)))
+    ports = {name: (next(distinct), next(distinct)) for name in SERVICE_NAMES}
     lines = [
         "[run]",
         f'name = "{run_name}"',

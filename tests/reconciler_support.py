@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from services.wire.ports import free_port
+from services.wire.ports import free_ports
 from tests.conftest import REPO, TOKEN, service_env, stop_process, wait_ready
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -54,7 +54,7 @@ def write_reconciler_config(
     path: Path, *, run_name: str, redis_url: str, extra: str = ""
 ) -> tuple[int, int]:
     """A config for one reconciler on free ports; `extra` is appended to [reconciler]."""
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port = free_ports(2)
     path.write_text(
         f'[run]\nname = "{run_name}"\n'
         f'[redis]\nurl = "{redis_url}"\n'

@@ -19,7 +19,7 @@ from services.run_config import load_config
 from services.trainer.service import TrainerService
 from services.wire.client import make_channel
 from services.wire.errors import InvalidArgument, NotFound
-from services.wire.ports import free_port
+from services.wire.ports import free_port, free_ports
 from services.wire.server import build_server, make_service
 from services.wire.service import Service
 
@@ -175,7 +175,7 @@ async def test_trace_propagates_between_two_in_process_servers() -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    upstream_port, downstream_port = free_port(), free_port()
+    upstream_port, downstream_port = free_ports(2)
     # The downstream: a real TrainerService server standing in as "reconciler" for the upstream.
     downstream_config = _config(downstream_port)
     downstream = make_service(TrainerService, downstream_config, provider)

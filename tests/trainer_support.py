@@ -20,7 +20,7 @@ from services.api.v1 import common_pb2
 from services.objectstore.base import ObjectStore
 from services.reconciler.client import ReconcilerClient
 from services.trainer.model import PackedInputs, Qwen3MoE
-from services.wire.ports import free_port
+from services.wire.ports import free_ports
 from tests.conftest import REPO, TOKEN, service_env
 
 Reward = Callable[[list[int]], float]
@@ -167,7 +167,7 @@ def write_trainer_config(
 ) -> tuple[int, int]:
     """A run config for one trainer process on free ports; ``job`` is TOML for [trainer.job]
     (None: no job, the trainer idles)."""
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port = free_ports(2)
     path.write_text(
         f'[run]\nname = "{run}"\nstate_dir = "{root / "state"}"\n'
         f'[object_store]\nurl = "file://{root / "store"}"\n'

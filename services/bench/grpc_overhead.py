@@ -23,7 +23,7 @@ from services.bench import BenchResult
 from services.run_config import load_config
 from services.trainer.service import TrainerService, TrainerServicer
 from services.wire.client import make_channel
-from services.wire.ports import free_port
+from services.wire.ports import free_ports
 from services.wire.server import build_server, make_service
 
 TARGET_RATIO = 2.0
@@ -51,7 +51,7 @@ def _figures(latencies: list[float]) -> dict[str, float]:
 
 async def _measure(num_calls: int) -> tuple[dict[str, float], dict[str, float]]:
     token = "bench-token"
-    plumbed_port, bare_port = free_port(), free_port()
+    plumbed_port, bare_port = free_ports(2)
     config = load_config(
         None,
         {

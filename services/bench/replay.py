@@ -46,7 +46,7 @@ from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.bench import BenchResult
 from services.launcher.processes import ManagedProcess
 from services.wire.client import make_channel
-from services.wire.ports import free_port
+from services.wire.ports import free_ports
 
 TARGET_RATIO = 5.0
 
@@ -138,7 +138,7 @@ def collect(quick: bool, workdir: Path) -> tuple[Path, list[dict[str, Any]]]:
         tokenizer.encode(document).ids[:24]
         for document, _ in zip(documents(1), range(num_prompts), strict=False)
     ]
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port = free_ports(2)
     config = workdir / "config.toml"
     _config(config, model_dir, grpc_port, http_port, 256)
     token = secrets.token_hex(16)

@@ -11,3 +11,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         probe.bind((host, 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports that were free on `host` a moment ago.
+
+    Every probe stays bound until all are chosen: ports taken one `free_port()` at a time
+    can repeat (a released port may be handed out again at once), and two services then
+    race for one port.
+    """
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind((host, 0))
+        return [int(probe.getsockname()[1]) for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
