@@ -4,6 +4,7 @@ trace propagation across two real aio servers (in-memory span exporter)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 
 import grpc
@@ -218,3 +219,11 @@ async def test_trace_propagates_between_two_in_process_servers() -> None:
         span = by_id.get(span.parent.span_id) if span.parent else None
     assert [kind for _, kind in chain] == ["SERVER", "CLIENT", "SERVER", "CLIENT", "INTERNAL"]
     assert chain[-1][0] == "root"
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    ports = free_ports(16)
+    assert len(set(ports)) == 16
+    for port in ports:
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", port))
