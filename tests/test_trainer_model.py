@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from services import dtypes
 from services.trainer.model import (
     Architecture,
     PackedInputs,
@@ -178,12 +179,18 @@ def test_the_model_trains_with_the_reports_precision_recipe(tiny_model: Path) ->
     assert losses[2] < losses[0] - 0.3, losses
 
 
-def test_auto_compute_dtype_is_bf16_only_where_bf16_gemms_are_native() -> None:
-    assert resolve_compute_dtype("float32") == torch.float32
-    assert resolve_compute_dtype("bfloat16") == torch.bfloat16
-    assert resolve_compute_dtype("auto", "cuda") == torch.bfloat16
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_compute_dtype_is_bf16_only_where_bf16_gemms_are_native(
+    native: bool, monkeypatch: pytest.MonkeyPatch, tiny_model: Path
+) -> None:
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: native)
     assert resolve_compute_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+    assert resolve_compute_dtype("auto", "cuda") == torch.bfloat16
+    assert resolve_compute_dtype("float32", "cuda") == torch.float32
+    assert resolve_compute_dtype("bfloat16", "cpu") == torch.bfloat16
+    # A model given no recipe runs its experts in that of its compute dtype.
+    model = load_pretrained(tiny_model, dtype=resolve_compute_dtype("auto", "cpu"))
+    assert model.model.layers[0].mlp.experts.config.precision == ("bf16" if native else "fp32")
 
 
 def test_auto_expert_precision_follows_the_compute_dtype() -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.dtypes import resolve_dtype
 from services.inference.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -35,14 +36,6 @@ log = logging.getLogger(__name__)
 GIB = 1 << 30
 DEFAULT_VERSION_LABEL = "default"
 CAPTURE_EXTENSION = "services.inference.capture.RoutingCapture"
-
-
-def engine_dtype(setting: str, on_cuda: bool) -> str:
-    """The dtype vLLM runs in: ``auto`` is bfloat16 on a GPU and on a CPU whose GEMMs take
-    bf16 natively (oneDNN on AVX-512 or AMX), float32 on other CPUs."""
-    if setting != "auto":
-        return setting
-    return "bfloat16" if on_cuda or torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 
 
 @dataclass
@@ -90,7 +83,7 @@ class Engine:
         self._labels: dict[str, int] = {DEFAULT_VERSION_LABEL: self.serving_version}
         self._llm: Any = None
         self.on_cuda = torch.cuda.is_available()
-        self.dtype = engine_dtype(config.dtype, self.on_cuda)
+        self.dtype = resolve_dtype(config.dtype, "cuda" if self.on_cuda else "cpu")
         self.capture_mode = "off"  # "native" | "worker" | "off"
         self.routing_shape: tuple[int, int] | None = None  # (moe layers, top_k)
         self.num_in_flight = 0

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.dtypes import resolve_dtype
 from services.trainer.model.architecture import Architecture
 from services.trainer.model.layers import Attention, RMSNorm, linear, rope_tables
 from services.trainer.model.mtp import MTPHead, mtp_distillation_loss
@@ -26,15 +27,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_compute_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
-    """The activation dtype a setting names. ``auto`` is bfloat16 on an accelerator and on a
-    CPU whose GEMMs take bf16 natively (oneDNN on AVX-512 or AMX), float32 on other CPUs:
-    there torch's bf16 GEMM is a scalar loop (a CPT step of the small model took 33 s in
-    bf16 and 4.3 s in float32 on a 2-core AVX2 EPYC)."""
-    if name != "auto":
-        return DTYPES[name]
-    if torch.device(device).type != "cpu" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+    """The activation dtype a setting names (``auto``: ``services.dtypes.resolve_dtype``)."""
+    return DTYPES[resolve_dtype(name, torch.device(device).type)]
 
 
 def resolve_experts_precision(
@@ -205,9 +199,7 @@ class Qwen3MoE(nn.Module):
         self.arch = arch
         self.dtype = dtype
         self.replay_min_prob_ratio = replay_min_prob_ratio
-        precision = experts_precision or PrecisionConfig(
-            precision="fp32" if dtype == torch.float32 else "bf16"
-        )
+        precision = experts_precision or resolve_experts_precision("auto", dtype)
         self.model = Backbone(arch, precision)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPHead(arch) for _ in range(num_mtp_heads))
