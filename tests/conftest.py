@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.config import SERVICE_NAMES
-from services.wire.ports import free_port, free_ports
+from services.wire.ports import free_port, service_ports
 from tests.objectstore_support import CREDENTIALS, MIN_PART
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,8 +47,7 @@ def write_config(
 
     `extra` adds lines to sections: {"inference": ["follow_weights = true"], ...}.
     """
-    distinct = iter(free_ports(2 * len(SERVICE_NAMES)))
-    ports = {name: (next(distinct), next(distinct)) for name in SERVICE_NAMES}
+    ports = service_ports(SERVICE_NAMES)
     lines = [
         "[run]",
         f'name = "{run_name}"',

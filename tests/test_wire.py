@@ -20,7 +20,7 @@ from services.run_config import load_config
 from services.trainer.service import TrainerService
 from services.wire.client import make_channel
 from services.wire.errors import InvalidArgument, NotFound
-from services.wire.ports import free_port, free_ports
+from services.wire.ports import free_port, free_ports, service_ports
 from services.wire.server import build_server, make_service
 from services.wire.service import Service
 
@@ -224,6 +224,9 @@ async def test_trace_propagates_between_two_in_process_servers() -> None:
 def test_free_ports_are_distinct_and_bindable() -> None:
     ports = free_ports(16)
     assert len(set(ports)) == 16
+    pairs = service_ports(["a", "b", "c"])
+    assert list(pairs) == ["a", "b", "c"]
+    assert len({port for pair in pairs.values() for port in pair}) == 6
     for port in ports:
         with socket.socket() as listener:
             listener.bind(("127.0.0.1", port))

@@ -33,7 +33,7 @@ from services.bench import BenchResult
 from services.config import SERVICE_NAMES
 from services.evals.suites import suite_classes
 from services.run_config import dumps_toml
-from services.wire.ports import free_ports
+from services.wire.ports import service_ports
 
 TARGET_SPEEDUP = 1.5
 REPO = Path(__file__).resolve().parents[2]
@@ -45,8 +45,7 @@ def _mode_config(base: dict[str, Any], state: Path, run: str, steps: int) -> dic
     data["run"] = {**data.get("run", {}), "name": run, "state_dir": str(state)}
     data["object_store"] = {"url": f"file://{state}/store"}
     data.setdefault("endpoints", {})
-    for name in SERVICE_NAMES:
-        grpc_port, http_port = free_ports(2)
+    for name, (grpc_port, http_port) in service_ports(SERVICE_NAMES).items():
         section = data.setdefault(name, {})
         section["grpc"] = {"host": "127.0.0.1", "port": grpc_port}
         section["http"] = {"host": "127.0.0.1", "port": http_port}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,3 +29,9 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for probe in probes:
             probe.close()
+
+
+def service_ports(names: Sequence[str], host: str = "127.0.0.1") -> dict[str, tuple[int, int]]:
+    """A (gRPC, HTTP) port pair for each service in `names`, no port used twice."""
+    ports = iter(free_ports(2 * len(names), host))
+    return {name: (next(ports), next(ports)) for name in names}
