@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
@@ -124,6 +125,39 @@ async def test_bad_input_is_refused_and_changes_nothing(server: ReconcilerProces
                 "slot_id: ",
             ),
             (
+                stub.HeartbeatSlots(reconciler_pb2.HeartbeatSlotsRequest()),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "leases: must not be empty",
+            ),
+            (
+                stub.HeartbeatSlots(
+                    reconciler_pb2.HeartbeatSlotsRequest(
+                        leases=[
+                            reconciler_pb2.HeartbeatSlotRequest(
+                                slot_id=slot.lease.slot_id, lease_token=slot.lease.lease_token
+                            ),
+                            reconciler_pb2.HeartbeatSlotRequest(slot_id="x/0", lease_token="t"),
+                        ]
+                    )
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "leases[1].slot_id: ",
+            ),
+            (
+                stub.HeartbeatSlots(
+                    reconciler_pb2.HeartbeatSlotsRequest(
+                        leases=[
+                            reconciler_pb2.HeartbeatSlotRequest(
+                                slot_id=slot.lease.slot_id, lease_token=slot.lease.lease_token
+                            )
+                        ]
+                        * 2
+                    )
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "leases[1].slot_id: ",
+            ),
+            (
                 stub.CompleteSlot(
                     reconciler_pb2.CompleteSlotRequest(
                         slot_id=slot.lease.slot_id,
@@ -190,6 +224,41 @@ async def test_bad_input_is_refused_and_changes_nothing(server: ReconcilerProces
         async with client.lease(slot) as lease:
             assert (await lease.complete(rollout(slot.lease.slot_id))).group_ready
         assert (await client.get_group(gid)).state == reconciler_pb2.GROUP_STATE_READY
+
+
+async def test_one_heartbeat_call_keeps_every_lease_of_a_client(
+    server: ReconcilerProcess,
+) -> None:
+    async with make_channel(server.target, token=TOKEN) as channel:
+        client = ReconcilerClient(channel)
+        await client.submit_many([spec(k=3), spec(k=3)])
+        slots = await client.claim("w", max_slots=6, lease_ttl_s=0.6)  # renewed every 0.2 s
+        assert len(slots) == 6
+        calls: list[int] = []
+        heartbeat = client.stub.HeartbeatSlots
+
+        def counting(request: reconciler_pb2.HeartbeatSlotsRequest, **kwargs: object) -> object:
+            calls.append(len(request.leases))
+            return heartbeat(request, **kwargs)
+
+        client.stub.HeartbeatSlots = counting  # type: ignore[method-assign]
+        async with contextlib.AsyncExitStack() as stack:
+            leases = [await stack.enter_async_context(client.lease(slot)) for slot in slots]
+            # The reconciler takes one slot back: the next round reports it lost.
+            taken = leases[0]
+            await client.stub.FailSlot(
+                reconciler_pb2.FailSlotRequest(
+                    slot_id=taken.slot_id, lease_token=taken.token, reason="test", retryable=True
+                )
+            )
+            await asyncio.sleep(1.5)  # 2.5 TTLs: unrenewed leases would have expired
+            assert taken.lost.is_set()
+            assert not any(lease.lost.is_set() for lease in leases[1:])
+            for lease in leases[1:]:
+                assert not (await lease.complete(rollout(lease.slot_id))).duplicate
+        # One call a round for all six (then five) leases, not one per lease.
+        assert 4 <= len(calls) <= 12, calls
+        assert calls[0] == 6 and set(calls[1:]) == {5}, calls
 
 
 async def test_policy_versions_are_streamed(server: ReconcilerProcess) -> None:

@@ -351,6 +351,36 @@ async def test_versions_move_forward_only(store: SlotStore) -> None:
     assert (await store.version_notices(3, last_id))[0] == []
 
 
+async def test_one_script_renews_many_leases_and_names_the_lost_ones(store: SlotStore) -> None:
+    (gid,) = await store.submit([spec(k=3)])
+    held, failed, stolen = await store.claim("w-1", [], 3, 5)
+    await store.fail(failed.lease.slot_id, failed.lease.lease_token, "crash", True)
+    rejected_before = (await store.counts()).get("rejected:lease_lost", 0)
+    before = await store.redis.hget(store.key("slot", held.lease.slot_id), "expires")
+    await asyncio.sleep(0.01)
+    answer = await store.heartbeat_many(
+        [
+            (held.lease.slot_id, held.lease.lease_token),
+            (failed.lease.slot_id, failed.lease.lease_token),  # back to pending: not ours
+            (stolen.lease.slot_id, "someone-else"),
+            ("0123456789abcdef/0", "token"),
+        ]
+    )
+    assert answer[0] == (5.0, "")
+    assert answer[1][0] == 0 and answer[1][1].startswith(f"LEASE_LOST slot {gid}/")
+    assert answer[2][0] == 0 and answer[2][1].startswith("LEASE_LOST")
+    assert answer[3] == (0.0, "NOT_FOUND slot 0123456789abcdef/0")
+    after = await store.redis.hget(store.key("slot", held.lease.slot_id), "expires")
+    assert int(after) > int(before)  # renewed
+    assert (await store.counts())["rejected:lease_lost"] == rejected_before + 2
+    # The lost ones were not touched: the real holder still completes its slot.
+    state, _ = await store.complete(
+        stolen.lease.slot_id, stolen.lease.lease_token, rollout(stolen.lease.slot_id)
+    )
+    assert state == "RUNNING"
+    await check_counts(store)
+
+
 async def test_unknown_ids(store: SlotStore) -> None:
     with pytest.raises(NotFound):
         await store.get_group("0123456789abcdef")

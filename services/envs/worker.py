@@ -5,7 +5,8 @@ The K slots of a group start from the same prepared workspace: the first slot a 
 takes of a group builds it and snapshots it, the others fork from the snapshot. A fault
 (inference down, a harness bug) fails the slot with the reason, so it is retried; a
 lease lost meanwhile (the worker was too slow) drops the result, since another worker
-owns the slot now. Heartbeats run in the background for as long as a slot is held.
+owns the slot now. Heartbeats run in the background for as long as a slot is held (one
+call renews all of a worker's leases).
 """
 
 from __future__ import annotations
@@ -94,26 +95,51 @@ class RolloutWorker:
         return True
 
     async def run(self, concurrency: int, idle_s: float = 0.5) -> None:
-        """Claims and runs slots until cancelled."""
-        await asyncio.gather(*(self._loop(idle_s) for _ in range(concurrency)))
+        """Runs up to `concurrency` rollouts at a time until cancelled.
 
-    async def _loop(self, idle_s: float) -> None:
-        while True:
-            if not await self.inference_ready():
-                await asyncio.sleep(idle_s)
-                continue
-            try:
-                claimed = await self.reconciler.claim(
-                    self.worker_id, 1, lease_ttl_s=self.lease_ttl_s
-                )
-            except aio.AioRpcError as error:
-                log.warning("claim failed (%s); retrying", error.code().name)
-                await asyncio.sleep(idle_s)
-                continue
-            if not claimed:
-                await asyncio.sleep(idle_s)
-                continue
-            await self._handle(claimed[0])
+        One claim asks for as many slots as there are free places (all of them at the
+        start, after an inference restart, or when several rollouts end together), and
+        the client renews every held lease in one heartbeat call: a worker's calls to the
+        reconciler do not grow with its concurrency.
+        """
+        running: set[asyncio.Task[None]] = set()
+        freed = asyncio.Event()
+
+        def finished(task: asyncio.Task[None]) -> None:
+            running.discard(task)
+            freed.set()
+            if not task.cancelled() and task.exception() is not None:
+                log.error("rollout task failed", exc_info=task.exception())
+
+        try:
+            while True:
+                free = concurrency - len(running)
+                if free <= 0:
+                    freed.clear()
+                    await freed.wait()
+                    continue
+                if not await self.inference_ready():
+                    await asyncio.sleep(idle_s)
+                    continue
+                try:
+                    claimed = await self.reconciler.claim(
+                        self.worker_id, free, lease_ttl_s=self.lease_ttl_s
+                    )
+                except aio.AioRpcError as error:
+                    log.warning("claim failed (%s); retrying", error.code().name)
+                    await asyncio.sleep(idle_s)
+                    continue
+                if not claimed:
+                    await asyncio.sleep(idle_s)
+                    continue
+                for slot in claimed:
+                    task = asyncio.create_task(self._handle(slot), name=slot.lease.slot_id)
+                    running.add(task)
+                    task.add_done_callback(finished)
+        finally:
+            for task in list(running):
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
 
     async def _handle(self, slot: reconciler_pb2.ClaimedSlot) -> None:
         self.active += 1

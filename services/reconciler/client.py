@@ -6,7 +6,8 @@ batches for the trainer.
     async for future in client.as_completed(futures):
         group = await future.result()          # the K rollouts, or GroupDropped
 
-    async with client.lease(claimed) as lease:   # heartbeats in the background
+    async with client.lease(claimed) as lease:   # heartbeats in the background, one call
+                                                 # for every lease the client holds
         ...                                      # lease.lost tells when it was taken away
         await lease.complete(rollout)
 """
@@ -80,33 +81,15 @@ class GroupFuture:
 
 
 class Lease:
-    """A claimed slot held by a background heartbeat; complete or fail it exactly once."""
+    """A claimed slot kept alive by its client's heartbeats; complete or fail it exactly once."""
 
     def __init__(self, client: ReconcilerClient, claimed: reconciler_pb2.ClaimedSlot) -> None:
         self.client = client
         self.claimed = claimed
         self.slot_id = claimed.lease.slot_id
         self.token = claimed.lease.lease_token
+        self.interval_s = max(claimed.lease.ttl_s / 3, 0.05)
         self.lost = asyncio.Event()
-
-    async def heartbeat_forever(self) -> None:
-        """Renews the lease every third of its TTL; sets `lost` when it is gone."""
-        interval = max(self.claimed.lease.ttl_s / 3, 0.05)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.client.stub.HeartbeatSlot(
-                    reconciler_pb2.HeartbeatSlotRequest(
-                        slot_id=self.slot_id, lease_token=self.token
-                    )
-                )
-            except aio.AioRpcError as error:
-                if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    self.lost.set()
-                    return
-                log.warning(
-                    "heartbeat of %s failed (%s); retrying", self.slot_id, error.code().name
-                )
 
     async def complete(
         self, rollout: common_pb2.RolloutSummary
@@ -129,11 +112,91 @@ class Lease:
         return answer
 
 
+class LeaseKeeper:
+    """Renews every lease a client holds with one HeartbeatSlots call per round.
+
+    A round runs when the earliest lease is due (a third of its TTL after its last
+    renewal) and renews every lease due within the next half interval too, so a worker
+    with many rollouts in flight sends one call where it would send one per lease. A
+    lease the reconciler no longer holds for us gets `lost` set and leaves the keeper.
+    """
+
+    def __init__(self, client: ReconcilerClient) -> None:
+        self.client = client
+        self._leases: dict[str, Lease] = {}
+        self._due: dict[str, float] = {}  # slot id -> loop time of its next renewal
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, lease: Lease) -> None:
+        """Keeps `lease` alive from now on."""
+        self._leases[lease.slot_id] = lease
+        self._due[lease.slot_id] = asyncio.get_running_loop().time() + lease.interval_s
+        self._changed.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="lease-keeper")
+
+    def discard(self, lease: Lease) -> None:
+        """Stops renewing `lease` (completed, failed or abandoned)."""
+        if self._leases.get(lease.slot_id) is lease:
+            del self._leases[lease.slot_id]
+            del self._due[lease.slot_id]
+            self._changed.set()
+
+    async def aclose(self) -> None:
+        """Stops the background task."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._leases:
+            self._changed.clear()
+            wait_s = min(self._due.values()) - loop.time()
+            if wait_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=wait_s)
+                continue  # a lease came or went: look again at what is due
+            await self._round(loop.time())
+
+    async def _round(self, now: float) -> None:
+        horizon = now + min(lease.interval_s for lease in self._leases.values()) / 2
+        due = [lease for sid, lease in self._leases.items() if self._due[sid] <= horizon]
+        request = reconciler_pb2.HeartbeatSlotsRequest(
+            leases=[
+                reconciler_pb2.HeartbeatSlotRequest(slot_id=lease.slot_id, lease_token=lease.token)
+                for lease in due
+            ]
+        )
+        try:
+            answer = await self.client.stub.HeartbeatSlots(request)
+        except aio.AioRpcError as error:
+            # An outage: try again soon; a lease that expires meanwhile is reported lost
+            # by the next answer, and the reconciler's reaper re-queues its slot.
+            log.warning("heartbeat of %d leases failed (%s); retrying", len(due), error.code().name)
+            for lease in due:
+                if lease.slot_id in self._due:
+                    self._due[lease.slot_id] = now + min(lease.interval_s, 1.0)
+            return
+        for lease, result in zip(due, answer.results, strict=True):
+            if self._leases.get(lease.slot_id) is not lease:
+                continue  # completed while the call was in flight
+            if result.held:
+                self._due[lease.slot_id] = now + lease.interval_s
+            else:
+                log.warning("lease of %s lost: %s", lease.slot_id, result.reason)
+                lease.lost.set()
+                self.discard(lease)
+
+
 class ReconcilerClient:
     """The reconciler's API over one channel (see services.wire.client.make_channel)."""
 
     def __init__(self, channel: aio.Channel) -> None:
         self.stub = reconciler_pb2_grpc.ReconcilerServiceStub(channel)
+        self.leases = LeaseKeeper(self)
 
     # Submitters -------------------------------------------------------------------------
     async def submit_many(self, specs: Sequence[reconciler_pb2.GroupSpec]) -> list[GroupFuture]:
@@ -213,15 +276,14 @@ class ReconcilerClient:
 
     @contextlib.asynccontextmanager
     async def lease(self, claimed: reconciler_pb2.ClaimedSlot) -> AsyncIterator[Lease]:
-        """Holds `claimed` with heartbeats while the block runs."""
+        """Holds `claimed` with heartbeats while the block runs (one call renews every
+        lease this client holds, see LeaseKeeper)."""
         lease = Lease(self, claimed)
-        heartbeat = asyncio.create_task(lease.heartbeat_forever())
+        self.leases.add(lease)
         try:
             yield lease
         finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+            self.leases.discard(lease)
 
     # Trainer ----------------------------------------------------------------------------
     async def pull_batch(

@@ -72,6 +72,22 @@ class ReconcilerServicer(reconciler_pb2_grpc.ReconcilerServiceServicer):
         ttl_s = await self._store.heartbeat(request.slot_id, request.lease_token)
         return reconciler_pb2.HeartbeatSlotResponse(ttl_s=ttl_s)
 
+    async def HeartbeatSlots(
+        self, request: reconciler_pb2.HeartbeatSlotsRequest, context: aio.ServicerContext
+    ) -> reconciler_pb2.HeartbeatSlotsResponse:
+        validation.validate_heartbeat_slots(request)
+        renewed = await self._store.heartbeat_many(
+            [(lease.slot_id, lease.lease_token) for lease in request.leases]
+        )
+        return reconciler_pb2.HeartbeatSlotsResponse(
+            results=[
+                reconciler_pb2.HeartbeatResult(
+                    slot_id=lease.slot_id, held=not problem, ttl_s=ttl_s, reason=problem
+                )
+                for lease, (ttl_s, problem) in zip(request.leases, renewed, strict=True)
+            ]
+        )
+
     async def CompleteSlot(
         self, request: reconciler_pb2.CompleteSlotRequest, context: aio.ServicerContext
     ) -> reconciler_pb2.CompleteSlotResponse:

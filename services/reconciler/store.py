@@ -181,7 +181,16 @@ class SlotStore:
 
     async def heartbeat(self, slot_id: str, token: str) -> float:
         """Renews a lease for its TTL; FailedPrecondition when it was lost."""
-        return int(await self._run("heartbeat", slot_id, token)) / 1000
+        ((ttl_s, problem),) = await self.heartbeat_many([(slot_id, token)])
+        if problem:
+            raise _translate(ResponseError(problem))
+        return ttl_s
+
+    async def heartbeat_many(self, leases: Sequence[tuple[str, str]]) -> list[tuple[float, str]]:
+        """Renews (slot id, token) leases in one script; per lease, (TTL in s, "") when
+        renewed or (0, the problem: "NOT_FOUND ..." / "LEASE_LOST ...") when not."""
+        flat = await self._run("heartbeat", *(part for lease in leases for part in lease))
+        return [(int(flat[i]) / 1000, _text(flat[i + 1])) for i in range(0, len(flat), 2)]
 
     async def complete(
         self, slot_id: str, token: str, rollout: common_pb2.RolloutSummary

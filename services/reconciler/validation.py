@@ -13,6 +13,7 @@ _GROUP_ID = re.compile(r"^[0-9a-f]{16}$")
 _SLOT_ID = re.compile(r"^[0-9a-f]{16}/[0-9]{1,4}$")
 MAX_GROUPS_PER_CALL = 10_000
 MAX_SLOTS_PER_CLAIM = 256
+MAX_LEASES_PER_HEARTBEAT = 1024
 # Pending slots are ordered by -priority * 1e12 + sequence; this keeps scores exact doubles.
 MAX_PRIORITY = 1000
 
@@ -61,14 +62,34 @@ def validate_group_id(group_id: str, field: str) -> None:
     )
 
 
-def validate_lease(slot_id: str, lease_token: str) -> None:
-    """A slot id ("<group id>/<index>") and the lease token that proves the caller holds it."""
+def validate_lease(slot_id: str, lease_token: str, prefix: str = "") -> None:
+    """A slot id ("<group id>/<index>") and the lease token that proves the caller holds it
+    (the fields named under `prefix`, e.g. "leases[3].")."""
     require(
         _SLOT_ID.match(slot_id) is not None,
-        "slot_id",
+        f"{prefix}slot_id",
         f"{slot_id[:80]!r} is not a slot id ('<16 hex digits>/<index>')",
     )
-    require(bool(lease_token), "lease_token", "must not be empty")
+    require(bool(lease_token), f"{prefix}lease_token", "must not be empty")
+
+
+def validate_heartbeat_slots(request: reconciler_pb2.HeartbeatSlotsRequest) -> None:
+    """1..MAX_LEASES_PER_HEARTBEAT well-formed leases, each slot once."""
+    require(len(request.leases) > 0, "leases", "must not be empty")
+    require(
+        len(request.leases) <= MAX_LEASES_PER_HEARTBEAT,
+        "leases",
+        f"at most {MAX_LEASES_PER_HEARTBEAT} per call, got {len(request.leases)}",
+    )
+    seen: set[str] = set()
+    for index, lease in enumerate(request.leases):
+        validate_lease(lease.slot_id, lease.lease_token, f"leases[{index}].")
+        require(
+            lease.slot_id not in seen,
+            f"leases[{index}].slot_id",
+            f"{lease.slot_id!r} appears twice",
+        )
+        seen.add(lease.slot_id)
 
 
 def validate_complete_slot(request: reconciler_pb2.CompleteSlotRequest) -> None:

@@ -313,6 +313,83 @@ class HeartbeatSlotResponse(_message.Message):
 Global___HeartbeatSlotResponse: _TypeAlias = HeartbeatSlotResponse  # noqa: Y015
 
 @_typing.final
+class HeartbeatSlotsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeartbeatSlotRequest]:
+        """At most 1,024 leases; each slot at most once."""
+
+    def __init__(
+        self,
+        *,
+        leases: _abc.Iterable[Global___HeartbeatSlotRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leases", b"leases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatSlotsRequest: _TypeAlias = HeartbeatSlotsRequest  # noqa: Y015
+
+@_typing.final
+class HeartbeatResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLOT_ID_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    slot_id: _builtins.str
+    held: _builtins.bool
+    """False once the lease was lost (expired, reaped, or the slot leased again): stop the
+    rollout, its completion would be rejected.
+    """
+    ttl_s: _builtins.float
+    """The renewed TTL when held."""
+    reason: _builtins.str
+    """Why the lease is not held."""
+    def __init__(
+        self,
+        *,
+        slot_id: _builtins.str = ...,
+        held: _builtins.bool = ...,
+        ttl_s: _builtins.float = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held", "reason", b"reason", "slot_id", b"slot_id", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatResult: _TypeAlias = HeartbeatResult  # noqa: Y015
+
+@_typing.final
+class HeartbeatSlotsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeartbeatResult]:
+        """One per lease, in order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___HeartbeatResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatSlotsResponse: _TypeAlias = HeartbeatSlotsResponse  # noqa: Y015
+
+@_typing.final
 class CompleteSlotRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

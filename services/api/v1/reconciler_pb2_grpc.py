@@ -50,6 +50,11 @@ class ReconcilerServiceStub:
                 request_serializer=etude_dot_v1_dot_reconciler__pb2.HeartbeatSlotRequest.SerializeToString,
                 response_deserializer=etude_dot_v1_dot_reconciler__pb2.HeartbeatSlotResponse.FromString,
                 _registered_method=True)
+        self.HeartbeatSlots = channel.unary_unary(
+                '/etude.v1.ReconcilerService/HeartbeatSlots',
+                request_serializer=etude_dot_v1_dot_reconciler__pb2.HeartbeatSlotsRequest.SerializeToString,
+                response_deserializer=etude_dot_v1_dot_reconciler__pb2.HeartbeatSlotsResponse.FromString,
+                _registered_method=True)
         self.CompleteSlot = channel.unary_unary(
                 '/etude.v1.ReconcilerService/CompleteSlot',
                 request_serializer=etude_dot_v1_dot_reconciler__pb2.CompleteSlotRequest.SerializeToString,
@@ -116,6 +121,14 @@ class ReconcilerServiceServicer:
 
     def HeartbeatSlot(self, request, context):
         """Renew a lease; FAILED_PRECONDITION once the lease was lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatSlots(self, request, context):
+        """Renew many leases in one call (a worker renews every lease it holds at once); each
+        result says whether its lease is still held. The call fails only on bad input.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -199,6 +212,11 @@ def add_ReconcilerServiceServicer_to_server(servicer, server):
                     servicer.HeartbeatSlot,
                     request_deserializer=etude_dot_v1_dot_reconciler__pb2.HeartbeatSlotRequest.FromString,
                     response_serializer=etude_dot_v1_dot_reconciler__pb2.HeartbeatSlotResponse.SerializeToString,
+            ),
+            'HeartbeatSlots': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeartbeatSlots,
+                    request_deserializer=etude_dot_v1_dot_reconciler__pb2.HeartbeatSlotsRequest.FromString,
+                    response_serializer=etude_dot_v1_dot_reconciler__pb2.HeartbeatSlotsResponse.SerializeToString,
             ),
             'CompleteSlot': grpc.unary_unary_rpc_method_handler(
                     servicer.CompleteSlot,
@@ -327,6 +345,33 @@ class ReconcilerService:
             '/etude.v1.ReconcilerService/HeartbeatSlot',
             etude_dot_v1_dot_reconciler__pb2.HeartbeatSlotRequest.SerializeToString,
             etude_dot_v1_dot_reconciler__pb2.HeartbeatSlotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatSlots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/etude.v1.ReconcilerService/HeartbeatSlots',
+            etude_dot_v1_dot_reconciler__pb2.HeartbeatSlotsRequest.SerializeToString,
+            etude_dot_v1_dot_reconciler__pb2.HeartbeatSlotsResponse.FromString,
             options,
             channel_credentials,
             insecure,

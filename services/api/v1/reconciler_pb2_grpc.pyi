@@ -40,6 +40,10 @@ class ReconcilerServiceStub:
     """Lease up to max_slots pending slots; an empty answer means nothing is available."""
     HeartbeatSlot: _grpc.UnaryUnaryMultiCallable[_reconciler_pb2.HeartbeatSlotRequest, _reconciler_pb2.HeartbeatSlotResponse]
     """Renew a lease; FAILED_PRECONDITION once the lease was lost."""
+    HeartbeatSlots: _grpc.UnaryUnaryMultiCallable[_reconciler_pb2.HeartbeatSlotsRequest, _reconciler_pb2.HeartbeatSlotsResponse]
+    """Renew many leases in one call (a worker renews every lease it holds at once); each
+    result says whether its lease is still held. The call fails only on bad input.
+    """
     CompleteSlot: _grpc.UnaryUnaryMultiCallable[_reconciler_pb2.CompleteSlotRequest, _reconciler_pb2.CompleteSlotResponse]
     """Report a finished rollout; rejected when the lease token is not the current one."""
     FailSlot: _grpc.UnaryUnaryMultiCallable[_reconciler_pb2.FailSlotRequest, _reconciler_pb2.FailSlotResponse]
@@ -66,6 +70,10 @@ class ReconcilerServiceAsyncStub(ReconcilerServiceStub):
     """Lease up to max_slots pending slots; an empty answer means nothing is available."""
     HeartbeatSlot: _aio.UnaryUnaryMultiCallable[_reconciler_pb2.HeartbeatSlotRequest, _reconciler_pb2.HeartbeatSlotResponse]  # type: ignore[assignment]
     """Renew a lease; FAILED_PRECONDITION once the lease was lost."""
+    HeartbeatSlots: _aio.UnaryUnaryMultiCallable[_reconciler_pb2.HeartbeatSlotsRequest, _reconciler_pb2.HeartbeatSlotsResponse]  # type: ignore[assignment]
+    """Renew many leases in one call (a worker renews every lease it holds at once); each
+    result says whether its lease is still held. The call fails only on bad input.
+    """
     CompleteSlot: _aio.UnaryUnaryMultiCallable[_reconciler_pb2.CompleteSlotRequest, _reconciler_pb2.CompleteSlotResponse]  # type: ignore[assignment]
     """Report a finished rollout; rejected when the lease token is not the current one."""
     FailSlot: _aio.UnaryUnaryMultiCallable[_reconciler_pb2.FailSlotRequest, _reconciler_pb2.FailSlotResponse]  # type: ignore[assignment]
@@ -107,6 +115,16 @@ class ReconcilerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_reconciler_pb2.HeartbeatSlotResponse, _abc.Awaitable[_reconciler_pb2.HeartbeatSlotResponse]]:
         """Renew a lease; FAILED_PRECONDITION once the lease was lost."""
+
+    @_abc_1.abstractmethod
+    def HeartbeatSlots(
+        self,
+        request: _reconciler_pb2.HeartbeatSlotsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_reconciler_pb2.HeartbeatSlotsResponse, _abc.Awaitable[_reconciler_pb2.HeartbeatSlotsResponse]]:
+        """Renew many leases in one call (a worker renews every lease it holds at once); each
+        result says whether its lease is still held. The call fails only on bad input.
+        """
 
     @_abc_1.abstractmethod
     def CompleteSlot(
