@@ -112,6 +112,11 @@ class Lease:
         return answer
 
 
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the lease keeper stopped", exc_info=task.exception())
+
+
 class LeaseKeeper:
     """Renews every lease a client holds with one HeartbeatSlots call per round.
 
@@ -135,6 +140,7 @@ class LeaseKeeper:
         self._changed.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="lease-keeper")
+            self._task.add_done_callback(_log_failure)
 
     def discard(self, lease: Lease) -> None:
         """Stops renewing `lease` (completed, failed or abandoned)."""
