@@ -18,14 +18,16 @@ MAX_LEASES_PER_HEARTBEAT = 1024
 MAX_PRIORITY = 1000
 
 
+def _require_count(count: int, field: str, most: int, *, at_least_one: bool = True) -> None:
+    """A repeated field of 1 (or 0) to `most` entries."""
+    if at_least_one:
+        require(count > 0, field, "must not be empty")
+    require(count <= most, field, f"at most {most} per call, got {count}")
+
+
 def validate_submit_groups(request: reconciler_pb2.SubmitGroupsRequest) -> None:
     """At least one group; each with a valid task, 1..MAX_GROUP_SIZE samples and a kind."""
-    require(len(request.groups) > 0, "groups", "must not be empty")
-    require(
-        len(request.groups) <= MAX_GROUPS_PER_CALL,
-        "groups",
-        f"at most {MAX_GROUPS_PER_CALL} per call, got {len(request.groups)}",
-    )
+    _require_count(len(request.groups), "groups", MAX_GROUPS_PER_CALL)
     for index, group in enumerate(request.groups):
         field = f"groups[{index}]"
         validate_task(group.task, f"{field}.task")
@@ -75,12 +77,7 @@ def validate_lease(slot_id: str, lease_token: str, prefix: str = "") -> None:
 
 def validate_heartbeat_slots(request: reconciler_pb2.HeartbeatSlotsRequest) -> None:
     """1..MAX_LEASES_PER_HEARTBEAT well-formed leases, each slot once."""
-    require(len(request.leases) > 0, "leases", "must not be empty")
-    require(
-        len(request.leases) <= MAX_LEASES_PER_HEARTBEAT,
-        "leases",
-        f"at most {MAX_LEASES_PER_HEARTBEAT} per call, got {len(request.leases)}",
-    )
+    _require_count(len(request.leases), "leases", MAX_LEASES_PER_HEARTBEAT)
     seen: set[str] = set()
     for index, lease in enumerate(request.leases):
         validate_lease(lease.slot_id, lease.lease_token, f"leases[{index}].")
@@ -115,12 +112,7 @@ def validate_pull_batch(request: reconciler_pb2.PullBatchRequest) -> None:
 
 def validate_watch_groups(request: reconciler_pb2.WatchGroupsRequest) -> None:
     """1..MAX_GROUPS_PER_CALL group ids."""
-    require(len(request.group_ids) > 0, "group_ids", "must not be empty")
-    require(
-        len(request.group_ids) <= MAX_GROUPS_PER_CALL,
-        "group_ids",
-        f"at most {MAX_GROUPS_PER_CALL}, got {len(request.group_ids)}",
-    )
+    _require_count(len(request.group_ids), "group_ids", MAX_GROUPS_PER_CALL)
     for index, group_id in enumerate(request.group_ids):
         validate_group_id(group_id, f"group_ids[{index}]")
 
@@ -135,10 +127,6 @@ def validate_publish(request: reconciler_pb2.PublishPolicyVersionRequest) -> Non
 def validate_commit_batch(request: reconciler_pb2.CommitBatchRequest) -> None:
     """A consumer id and well-formed group ids."""
     require_identifier(request.consumer_id, "consumer_id")
-    require(
-        len(request.group_ids) <= MAX_GROUPS_PER_CALL,
-        "group_ids",
-        f"at most {MAX_GROUPS_PER_CALL}, got {len(request.group_ids)}",
-    )
+    _require_count(len(request.group_ids), "group_ids", MAX_GROUPS_PER_CALL, at_least_one=False)
     for index, group_id in enumerate(request.group_ids):
         validate_group_id(group_id, f"group_ids[{index}]")
