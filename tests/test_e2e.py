@@ -120,6 +120,10 @@ def _kill_group(config: Path, service: str) -> int:
     return pid
 
 
+# Four kills and restarts (each service waits for its dependencies again, the trainer
+# resumes from a checkpoint) on top of a whole run: ~11.5 min on a slow 2-core machine,
+# past the suite's 600 s default. The run's own deadline below is what bounds it.
+@pytest.mark.timeout(1560)
 def test_etude_run_trains_evaluates_reports_and_survives_kills(tmp_path: Path) -> None:
     state = tmp_path / "state"
     config = tmp_path / "config.toml"
