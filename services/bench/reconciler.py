@@ -69,11 +69,8 @@ async def _lifecycles(url: str, worker: int, batch: int, duration_s: float) -> d
         if not claimed:
             break
         leases = [(slot.lease.slot_id, slot.lease.lease_token) for slot in claimed]
-        if batch == 1:
-            await store.heartbeat(*leases[0])
-        else:
-            renewed = await store.heartbeat_many(leases)
-            assert all(not problem for _, problem in renewed), renewed
+        renewed = await store.heartbeat_many(leases)
+        assert all(not problem for _, problem in renewed), renewed
         for slot_id, token in leases:
             await store.complete(slot_id, token, _summary(slot_id))
         done += len(leases)
@@ -134,6 +131,7 @@ class _Mode:
     batch: int
     rate: dict[int, float] = field(default_factory=dict)  # lifecycles/s by workers
     calls: dict[int, float] = field(default_factory=dict)  # reconciler calls/s by workers
+    calls_per_lifecycle: dict[int, float] = field(default_factory=dict)
     server_us: dict[int, float] = field(default_factory=dict)
     worker_us: dict[int, float] = field(default_factory=dict)
     claim_ms: dict[int, list[float]] = field(default_factory=dict)
@@ -148,6 +146,7 @@ class _Mode:
         self.worker_us[workers] = 1e6 * sum(r["cpu_s"] for r in results) / done
         self.rate[workers] = sum(r["done"] for r in results) / duration_s
         self.calls[workers] = sum(r["calls"] for r in results) / duration_s
+        self.calls_per_lifecycle[workers] = sum(r["calls"] for r in results) / done
         self.claim_ms[workers] = [ms for r in results for ms in r["claim_ms"]]
 
     def best(self) -> int:
@@ -186,6 +185,7 @@ def run(quick: bool) -> BenchResult:
         "claim_p50_ms": p50,
         "claim_p99_ms": p99,
         "calls_fraction_of_ping": batched.calls[best] / pings[best],
+        "calls_per_lifecycle": batched.calls_per_lifecycle[best],
         "redis_us_per_lifecycle": batched.server_us[best],
         "redis_capacity_lifecycles_per_s": 1e6 / batched.server_us[best],
         "worker_cpu_us_per_lifecycle": batched.worker_us[best],
@@ -193,6 +193,7 @@ def run(quick: bool) -> BenchResult:
         "claim_p50_ms_unbatched": single_p50,
         "claim_p99_ms_unbatched": single_p99,
         "calls_fraction_of_ping_unbatched": single.calls[single_best] / pings[single_best],
+        "calls_per_lifecycle_unbatched": single.calls_per_lifecycle[single_best],
         "redis_us_per_lifecycle_unbatched": single.server_us[single_best],
         "worker_cpu_us_per_lifecycle_unbatched": single.worker_us[single_best],
         "batched_speedup": batched.rate[best] / single.rate[single_best],

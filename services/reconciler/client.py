@@ -149,13 +149,6 @@ class LeaseKeeper:
             del self._due[lease.slot_id]
             self._changed.set()
 
-    async def aclose(self) -> None:
-        """Stops the background task."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while self._leases:
