@@ -107,7 +107,10 @@ async def test_rl_raises_the_mean_reward(tiny_model: Path, tmp_path: Path) -> No
                 "optimizer": {"lr": 2e-2},
                 "rl": {
                     "groups_per_step": groups_per_step,
-                    "pull_wait_s": 0.5,
+                    # Every step waits for its four groups: with a short wait a slow machine
+                    # gets a partial batch, the trainer steps ahead, and the rest of the
+                    # groups train one version stale (importance ratios far from 1).
+                    "pull_wait_s": 60,
                     "generation_budget_tokens": 8,
                     "kl_coef": 0.001,
                     "reference_refresh_steps": 5,
@@ -144,6 +147,7 @@ async def test_rl_raises_the_mean_reward(tiny_model: Path, tmp_path: Path) -> No
     records = _records(metrics_file)
     rewards = [r["reward_total_mean"] for r in records]
     assert len(rewards) == steps
+    assert all(r["groups"] == groups_per_step for r in records), [r["groups"] for r in records]
     # Measured (float32 experts): ~0.11 over the first three steps, 0.45 at step 16 and
     # ~0.94 over the last three.
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
