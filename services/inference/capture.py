@@ -25,6 +25,24 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def _request_amx_permission() -> None:
+    """Asks Linux for the AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``) in this process.
+
+    vLLM's bf16 CPU attention runs AMX tile instructions on CPUs that have them, but
+    nothing in the worker process asks for the permission first: Linux then answers the
+    first tile instruction with SIGILL and the worker dies (seen on a Sapphire Rapids
+    VM, where a float32 engine ran and a bfloat16 one died on its first request). The
+    permission is per process and cleared by exec, so the worker asks for it itself:
+    this module is imported there, as vLLM's ``worker_extension_cls``, before the model
+    loads.
+    """
+    if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
+        log.warning("the CPU has AMX but Linux refused its tile state; bf16 may crash")
+
+
+_request_amx_permission()
+
+
 class RoutingCapture:
     """Mixed into vLLM's worker class; methods are called with ``collective_rpc``."""
 
