@@ -129,28 +129,37 @@ class _Mode:
     """One way of working (slots per claim) measured at each number of workers."""
 
     batch: int
-    rate: dict[int, float] = field(default_factory=dict)  # lifecycles/s by workers
-    calls: dict[int, float] = field(default_factory=dict)  # reconciler calls/s by workers
-    calls_per_lifecycle: dict[int, float] = field(default_factory=dict)
+    duration_s: float
+    done: dict[int, int] = field(default_factory=dict)  # lifecycles by workers
+    calls: dict[int, int] = field(default_factory=dict)  # reconciler calls by workers
     server_us: dict[int, float] = field(default_factory=dict)
     worker_us: dict[int, float] = field(default_factory=dict)
     claim_ms: dict[int, list[float]] = field(default_factory=dict)
 
-    def measure(self, admin: redis.Redis, url: str, workers: int, duration_s: float) -> None:
-        asyncio.run(_submit(url, int(20_000 * duration_s * workers**0.5)))
+    def measure(self, admin: redis.Redis, url: str, workers: int) -> None:
+        asyncio.run(_submit(url, int(20_000 * self.duration_s * workers**0.5)))
         admin.config_resetstat()
-        results = _parallel("lifecycles", url, workers, duration_s, self.batch)
-        done = max(1, sum(r["done"] for r in results))
+        results = _parallel("lifecycles", url, workers, self.duration_s, self.batch)
+        self.done[workers] = sum(r["done"] for r in results)
+        self.calls[workers] = sum(r["calls"] for r in results)
+        done = max(1, self.done[workers])
         script_us = admin.info("commandstats")["cmdstat_evalsha"]["usec"]
         self.server_us[workers] = script_us / done
         self.worker_us[workers] = 1e6 * sum(r["cpu_s"] for r in results) / done
-        self.rate[workers] = sum(r["done"] for r in results) / duration_s
-        self.calls[workers] = sum(r["calls"] for r in results) / duration_s
-        self.calls_per_lifecycle[workers] = sum(r["calls"] for r in results) / done
         self.claim_ms[workers] = [ms for r in results for ms in r["claim_ms"]]
 
+    def rate(self, workers: int) -> float:
+        """Lifecycles per second."""
+        return self.done[workers] / self.duration_s
+
+    def calls_per_s(self, workers: int) -> float:
+        return self.calls[workers] / self.duration_s
+
+    def calls_per_lifecycle(self, workers: int) -> float:
+        return self.calls[workers] / max(1, self.done[workers])
+
     def best(self) -> int:
-        return max(self.rate, key=lambda w: self.rate[w])
+        return max(self.done, key=self.rate)
 
     def claim_percentiles(self, workers: int) -> tuple[float, float]:
         loaded = sorted(self.claim_ms[workers])
@@ -162,15 +171,15 @@ def run(quick: bool) -> BenchResult:
     call; PING/s as the baseline."""
     duration_s = 1.0 if quick else 3.0
     worker_counts = (1, 4) if quick else (1, 2, 4, 8)
-    batched, single = _Mode(BATCH), _Mode(1)
+    batched, single = _Mode(BATCH, duration_s), _Mode(1, duration_s)
     pings: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as state:
         redis_process, url = start_private_redis(Path(state))
         try:
             admin = redis.Redis.from_url(url)
             for workers in worker_counts:
-                batched.measure(admin, url, workers, duration_s)
-                single.measure(admin, url, workers, duration_s)
+                batched.measure(admin, url, workers)
+                single.measure(admin, url, workers)
                 ping_results = _parallel("ping", url, workers, duration_s)
                 pings[workers] = sum(r["done"] for r in ping_results) / duration_s
             admin.close()
@@ -181,24 +190,24 @@ def run(quick: bool) -> BenchResult:
     single_p50, single_p99 = single.claim_percentiles(most)
     best, single_best = batched.best(), single.best()
     figures = {
-        "lifecycles_per_s": batched.rate[best],
+        "lifecycles_per_s": batched.rate(best),
         "claim_p50_ms": p50,
         "claim_p99_ms": p99,
-        "calls_fraction_of_ping": batched.calls[best] / pings[best],
-        "calls_per_lifecycle": batched.calls_per_lifecycle[best],
+        "calls_fraction_of_ping": batched.calls_per_s(best) / pings[best],
+        "calls_per_lifecycle": batched.calls_per_lifecycle(best),
         "redis_us_per_lifecycle": batched.server_us[best],
         "redis_capacity_lifecycles_per_s": 1e6 / batched.server_us[best],
         "worker_cpu_us_per_lifecycle": batched.worker_us[best],
-        "lifecycles_per_s_unbatched": single.rate[single_best],
+        "lifecycles_per_s_unbatched": single.rate(single_best),
         "claim_p50_ms_unbatched": single_p50,
         "claim_p99_ms_unbatched": single_p99,
-        "calls_fraction_of_ping_unbatched": single.calls[single_best] / pings[single_best],
-        "calls_per_lifecycle_unbatched": single.calls_per_lifecycle[single_best],
+        "calls_fraction_of_ping_unbatched": single.calls_per_s(single_best) / pings[single_best],
+        "calls_per_lifecycle_unbatched": single.calls_per_lifecycle(single_best),
         "redis_us_per_lifecycle_unbatched": single.server_us[single_best],
         "worker_cpu_us_per_lifecycle_unbatched": single.worker_us[single_best],
-        "batched_speedup": batched.rate[best] / single.rate[single_best],
-        **{f"lifecycles_per_s_{w}_workers": v for w, v in batched.rate.items()},
-        **{f"lifecycles_per_s_{w}_workers_unbatched": v for w, v in single.rate.items()},
+        "batched_speedup": batched.rate(best) / single.rate(single_best),
+        **{f"lifecycles_per_s_{w}_workers": batched.rate(w) for w in batched.done},
+        **{f"lifecycles_per_s_{w}_workers_unbatched": single.rate(w) for w in single.done},
     }
     return BenchResult(
         figures=figures,
