@@ -68,3 +68,44 @@ async def test_watcher_skips_to_the_newest_and_keeps_its_stride(tmp_path: Path) 
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_a_version_scored_by_another_caller_starts_the_stride(tmp_path: Path) -> None:
+    """`etude run` scores version 0 through RunEval before training: with a stride of 3
+    the watcher then scores version 3, not version 1 right after it."""
+    notices = Notices()
+    evaluated: asyncio.Queue[int] = asyncio.Queue()
+
+    async def evaluate(version: int) -> None:
+        await evaluated.put(version)
+
+    watcher = VersionWatcher(
+        reconciler=notices,  # type: ignore[arg-type]
+        store=FileObjectStore(tmp_path / "store"),
+        run="r",
+        every=3,
+        poll_interval_s=0.05,
+        evaluate=evaluate,
+        last=None,
+    )
+    watcher.scored(0)
+    running = asyncio.create_task(watcher.run())
+    try:
+        async with asyncio.timeout(10):
+            for version in (1, 2):
+                await notices.queue.put(version)
+            await notices.queue.join()
+            await asyncio.sleep(0.2)  # two polls of the (empty) store: nothing is due
+            assert evaluated.empty()
+            await notices.queue.put(3)
+            assert await evaluated.get() == 3
+            watcher.scored(5)  # scored elsewhere meanwhile: 6 and 7 are not due, 8 is
+            for version in (6, 7, 8):
+                await notices.queue.put(version)
+            assert await evaluated.get() == 8
+            watcher.scored(2)  # an older version changes nothing
+            assert watcher.last == 8
+        assert evaluated.empty()
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from services.api.v1 import reconciler_pb2
 from services.model_factory.corpus import snippet
 from services.objectstore.local import FileObjectStore
 from services.reconciler.client import ReconcilerClient
@@ -91,6 +92,24 @@ async def test_sft_lowers_the_loss_on_a_synthetic_task_corpus(
 TARGET = set(range(16, 144))  # 128 of the 1024 vocabulary rows: ~1/8 of uniform samples
 
 
+class SlowFirstStep(ReconcilerClient):
+    """Answers the first step's first two pulls empty after 3 s each, as waits that end
+    with nothing ready do. The test has completed the step's groups by then, so the
+    third pull answers at once: only a ``time_wait_s`` that counts the empty pulls
+    reaches 6 s."""
+
+    empty_pulls = 2
+
+    async def pull_batch(
+        self, consumer_id: str, step: int, num_groups: int, current_version: int, wait_s: float = 0
+    ) -> reconciler_pb2.PullBatchResponse:
+        if step == 0 and self.empty_pulls:
+            self.empty_pulls -= 1
+            await asyncio.sleep(3.0)
+            return reconciler_pb2.PullBatchResponse()
+        return await super().pull_batch(consumer_id, step, num_groups, current_version, wait_s)
+
+
 def _reward(completion: list[int]) -> float:
     return sum(token in TARGET for token in completion) / len(completion)
 
@@ -122,7 +141,7 @@ async def test_rl_raises_the_mean_reward(tiny_model: Path, tmp_path: Path) -> No
             run=server.run_name,
         )
         store = FileObjectStore(tmp_path / "store")
-        client = ReconcilerClient(make_channel(server.target, token=TOKEN))
+        client = SlowFirstStep(make_channel(server.target, token=TOKEN))
         job = TrainingJob(config, store, client)
         training = asyncio.create_task(job.run())
         policy = load_pretrained(tiny_model, dtype=torch.float32)
@@ -148,6 +167,7 @@ async def test_rl_raises_the_mean_reward(tiny_model: Path, tmp_path: Path) -> No
     rewards = [r["reward_total_mean"] for r in records]
     assert len(rewards) == steps
     assert all(r["groups"] == groups_per_step for r in records), [r["groups"] for r in records]
+    assert records[0]["time_wait_s"] >= 6.0, records[0]["time_wait_s"]  # both empty pulls
     # Measured (float32 experts): ~0.11 over the first three steps, 0.45 at step 16 and
     # ~0.94 over the last three.
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards

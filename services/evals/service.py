@@ -150,8 +150,9 @@ class EvalsService(Service):
             settings=settings,
             results=self.results,
             weights_store=self.store,
-            on_result=self._refresh_report,
+            on_result=self._on_result,
         )
+        self._suites_scored: dict[int, set[str]] = {}  # versions scored since start
         self._stored: dict[str, dict[int, Stored]] = {}
         self._report_task: asyncio.Task[None] | None = None
         self.report_refs: dict[str, common_pb2.ObjectRef] = {}
@@ -194,6 +195,16 @@ class EvalsService(Service):
         for name, outcome in zip(suites, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 log.error("watcher: %s on version %d: %s", name, version, outcome)
+
+    async def _on_result(self, record: EvalRecord) -> None:
+        """A new result: the watcher hears of versions scored on every enabled suite (by
+        it or by RunEval), and the report is rendered again."""
+        done = self._suites_scored.setdefault(record.policy_version, set())
+        done.add(record.suite)
+        enabled = {name for name, s in self.suites.items() if s.settings.enabled}
+        if self.watcher is not None and enabled <= done:
+            self.watcher.scored(record.policy_version)
+        await self._refresh_report(record)
 
     async def _refresh_report(self, record: EvalRecord | None = None) -> None:
         """After a new result (and at start): render, store and serve the report again."""

@@ -4,7 +4,10 @@ Versions come from the reconciler's notices (``WatchPolicyVersions``) and, in ca
 notice is lost, from polling the store's ``latest`` pointer. Evals run one version at a
 time; a version published while one runs is not queued behind it: when the eval ends,
 the newest version seen is next (the ones in between are skipped), so a slow eval
-never makes the watcher fall further and further behind.
+never makes the watcher fall further and further behind. A version scored on every
+enabled suite by someone else (``RunEval``: ``etude run`` scores version 0 before
+training starts) counts as scored: the stride runs from it, so version 1 is not scored
+again right after version 0.
 """
 
 from __future__ import annotations
@@ -54,6 +57,13 @@ class VersionWatcher:
         if version > self.newest:
             self.newest = version
             self._changed.set()
+
+    def scored(self, version: int) -> None:
+        """``version`` was scored on the enabled suites by another caller: the next one is
+        due ``every`` past it (an older version changes nothing)."""
+        if self.last is None or version > self.last:
+            self.last = version
+            self.newest = max(self.newest, version)
 
     def _due(self) -> bool:
         return self.newest > 0 and (self.last is None or self.newest >= self.last + self.every)

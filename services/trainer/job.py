@@ -338,15 +338,17 @@ class TrainingJob:
 
     async def _run_rl(self) -> None:
         assert self.reconciler is not None and self.learner is not None
+        waiting_since: float | None = None  # the step's wait spans its empty pulls
         while not self._finished():
             await self._serve_requests()
-            started = time.perf_counter()
             self.state = "waiting"
+            if waiting_since is None:
+                waiting_since = time.perf_counter()
             answer = await self._pull_batch()
             if not answer.groups:
                 continue
             self.state = "running"
-            waited = time.perf_counter() - started
+            waited, waiting_since = time.perf_counter() - waiting_since, None
             started = time.perf_counter()
             batch = await asyncio.to_thread(self._prepare, answer.groups)
             provenance = version_provenance(answer.groups, self.policy_version)
@@ -409,15 +411,17 @@ class TrainingJob:
 
         runtime, rl = self.runtime, self.job.rl
         assert runtime is not None and self.learner is not None
+        waiting_since: float | None = None  # the step's wait spans its empty pulls
         while not self._finished():
-            started = time.perf_counter()
             self.state = "waiting"
+            if waiting_since is None:
+                waiting_since = time.perf_counter()
             messages: list[StepMessage] | None = None
             if runtime.is_leader:
                 assert self.reconciler is not None and self.cost_model is not None
                 base = StepMessage(checkpoint_tags=self._take_requests())
                 answer = await self._pull_batch()
-                base.waited_s = time.perf_counter() - started
+                base.waited_s = time.perf_counter() - waiting_since
                 messages = [base] * runtime.world_size
                 if answer.groups:
                     collected = await asyncio.to_thread(self._collect, answer.groups)
@@ -432,7 +436,7 @@ class TrainingJob:
             await self._save_tagged(message.checkpoint_tags)
             if message.part is None or message.stats is None:
                 continue
-            self.state = "running"
+            self.state, waiting_since = "running", None
             started = time.perf_counter()
             local = await asyncio.to_thread(self._local_microbatches, message.part)
             batch = message.stats.batch(local)
