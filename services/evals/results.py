@@ -69,10 +69,13 @@ class ResultsStore:
         data = record.model_dump_json(indent=2).encode()
         return await asyncio.to_thread(self.store.put, key, data)
 
+    async def all_versions(self) -> dict[str, dict[int, str]]:
+        """{suite: {version: key}} of every stored result, from one listing."""
+        return await asyncio.to_thread(discover, self.store, self.run)
+
     async def versions(self, suite: str) -> dict[int, str]:
         """{version: key} of `suite`'s stored results."""
-        found = await asyncio.to_thread(discover, self.store, self.run)
-        return found.get(suite, {})
+        return (await self.all_versions()).get(suite, {})
 
     async def load(
         self, suite: str, version: int

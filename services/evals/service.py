@@ -152,7 +152,6 @@ class EvalsService(Service):
             weights_store=self.store,
             on_result=self._on_result,
         )
-        self._suites_scored: dict[int, set[str]] = {}  # versions scored since start
         self._stored: dict[str, dict[int, Stored]] = {}
         self._report_task: asyncio.Task[None] | None = None
         self.report_refs: dict[str, common_pb2.ObjectRef] = {}
@@ -167,14 +166,13 @@ class EvalsService(Service):
     async def start(self) -> None:
         reconciler = ReconcilerClient(self.channels.get("reconciler"))
         self.evaluator.reconciler = reconciler
-        if any([await self.results.versions(suite) for suite in self.suites]):
+        found = await self.results.all_versions()
+        if any(found.get(suite) for suite in self.suites):
             self._report_task = asyncio.create_task(self._refresh_report())
         settings = self.config.evals
         if not settings.watch:
             return
-        enabled = [s for s in self.suites.values() if s.settings.enabled]
-        scored = [await self.results.versions(s.name) for s in enabled]
-        last = min((max(versions, default=-1) for versions in scored), default=-1)
+        last = await self._newest_fully_scored()
         self.watcher = VersionWatcher(
             reconciler=reconciler,
             store=self.store,
@@ -186,9 +184,19 @@ class EvalsService(Service):
         )
         self._watch_task = asyncio.create_task(self.watcher.run())
 
+    def _enabled(self) -> list[str]:
+        """The suites the watcher scores."""
+        return [name for name, s in self.suites.items() if s.settings.enabled]
+
+    async def _newest_fully_scored(self) -> int:
+        """The newest version every enabled suite has a stored result for (-1: none)."""
+        found = await self.results.all_versions()
+        scored = (found.get(name, {}) for name in self._enabled())
+        return min((max(versions, default=-1) for versions in scored), default=-1)
+
     async def _evaluate_enabled(self, version: int) -> None:
         """The watcher's step: every enabled suite on `version`, concurrently."""
-        suites = [name for name, s in self.suites.items() if s.settings.enabled]
+        suites = self._enabled()
         outcomes = await asyncio.gather(
             *(self.evaluator.request(name, version) for name in suites), return_exceptions=True
         )
@@ -197,13 +205,12 @@ class EvalsService(Service):
                 log.error("watcher: %s on version %d: %s", name, version, outcome)
 
     async def _on_result(self, record: EvalRecord) -> None:
-        """A new result: the watcher hears of versions scored on every enabled suite (by
-        it or by RunEval), and the report is rendered again."""
-        done = self._suites_scored.setdefault(record.policy_version, set())
-        done.add(record.suite)
-        enabled = {name for name, s in self.suites.items() if s.settings.enabled}
-        if self.watcher is not None and enabled <= done:
-            self.watcher.scored(record.policy_version)
+        """A new result: the watcher's stride runs from the newest version scored on every
+        enabled suite (by it or through RunEval), and the report is rendered again."""
+        if self.watcher is not None:
+            newest = await self._newest_fully_scored()
+            if newest >= 0:
+                self.watcher.scored(newest)
         await self._refresh_report(record)
 
     async def _refresh_report(self, record: EvalRecord | None = None) -> None:

@@ -63,7 +63,6 @@ class VersionWatcher:
         due ``every`` past it (an older version changes nothing)."""
         if self.last is None or version > self.last:
             self.last = version
-            self.newest = max(self.newest, version)
 
     def _due(self) -> bool:
         return self.newest > 0 and (self.last is None or self.newest >= self.last + self.every)
