@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -231,3 +232,23 @@ def test_two_process_layouts_match_one_process(dp: int, cp: int, ep: int) -> Non
 @pytest.mark.slow
 def test_dp2_x_cp2_with_experts_over_all_four_ranks_matches_one_process() -> None:
     spawn(4, 2, 2, 4)
+
+
+def test_a_step_with_nothing_to_train_leaves_the_weights_alone() -> None:
+    learner = Learner(decisive_model(), job_config())
+    learner.rl_step(
+        RLBatch([pack_microbatch(batch_items(), ARCH.num_layers, ARCH.top_k)], 8, [], [], []), 0
+    )
+    before = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+    # All groups skipped; as on an idle rank, a microbatch with no trained token still runs
+    # (zero gradients, not none): AdamW's momentum from the first step must not move anything.
+    idle = [
+        (replace(segment, trained=[False] * len(segment.trained)), 0.0, 1.0)
+        for segment, _, _ in batch_items()[:2]
+    ]
+    metrics = learner.rl_step(
+        RLBatch([pack_microbatch(idle, ARCH.num_layers, ARCH.top_k)], 0, [], [], []), 1
+    )
+    assert metrics["grad_norm"] == 0.0 and metrics["tokens_trained"] == 0
+    for name, param in learner.model.named_parameters():
+        assert torch.equal(param.detach(), before[name]), name

@@ -127,6 +127,8 @@ def test_summary_counts_groups_staleness_and_versions(tmp_path: Path) -> None:
             "reward_total_mean": 0.1 * step,
             "reward_task_mean": 0.1 * step,
             "rollouts": 4.0,
+            "groups_uniform_task_reward": 1.0,
+            **({"skipped_group_uniform_task_reward": 1.0} if step == 3 else {}),
             "time_wait_s": 1.0,
             "time_compute_s": 3.0,
             "time": 100.0 + 10 * step,
@@ -144,6 +146,7 @@ def test_summary_counts_groups_staleness_and_versions(tmp_path: Path) -> None:
     assert summary.trainer_wait_fraction == 0.25
     assert summary.seconds_per_step == 10.0
     assert summary.reward_curve == [(1, 0.1), (2, 0.2), (3, 0.30000000000000004)]
+    assert summary.groups_uniform_task_reward == 3 and summary.groups_skipped_uniform == 1
     page = write_report(tmp_path / "report", summary, shot, {})
     assert (tmp_path / "report" / "reward.png").stat().st_size > 0
     assert "reward.png" in page.read_text()
@@ -215,3 +218,40 @@ def test_cpu_affinity_needs_a_cpu_per_listed_service() -> None:
 
     with pytest.raises(ValidationError, match=r"cpu_affinity\.inference\n.*at least 1 item"):
         LauncherConfig.model_validate({"cpu_affinity": {"inference": []}})
+
+
+def test_a_run_redis_remembers_without_its_checkpoints_is_refused(tmp_path: Path) -> None:
+    import secrets
+
+    import redis
+    from rich.console import Console
+
+    from services.launcher.run import LocalRun, RunFailed, RunOptions
+    from services.reconciler.store import run_prefix
+    from services.run_config import load_config
+    from services.trainer.checkpoint import META_FILE
+
+    name = f"resume-{secrets.token_hex(4)}"
+    config = tmp_path / "config.toml"
+    write_config(
+        config,
+        model_dir=tmp_path / "model",
+        state_dir=tmp_path / "state",
+        run_name=name,
+        extra={"trainer.job": ['phase = "rl"']},
+    )
+    run = LocalRun(load_config(config, environ={}), config, Console(), RunOptions())
+    run._check_resumable()  # nothing in Redis: a new run
+    client = redis.Redis.from_url(run.config.redis.url)
+    key = f"{run_prefix(name)}:consumer:trainer"
+    client.hset(key, "committed_step", 29)
+    try:
+        with pytest.raises(RunFailed, match=rf"run '{name}' trained through step 29.*--fresh"):
+            run._check_resumable()
+        checkpoint = tmp_path / "state" / "checkpoints" / name / "step-30"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / META_FILE).write_text("{}")
+        run._check_resumable()  # the checkpoint it resumes from is there
+    finally:
+        client.delete(key)
+        client.close()

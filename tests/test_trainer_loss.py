@@ -258,3 +258,55 @@ def test_single_sample_groups_and_bad_rollouts_are_skipped_and_counted() -> None
     assert batch.advantages == [0.5]
     assert batch.group_weights == [0.5]
     assert batch.microbatches[0].weights.tolist() == [0.5, 0.5]
+
+
+def _graded(task: float, length_penalty: float, index: int) -> common_pb2.RolloutSummary:
+    reward = common_pb2.RewardParts(
+        total=task + length_penalty, task=task, length_penalty=length_penalty
+    )
+    return common_pb2.RolloutSummary(rollout_id=f"r{index}", sample_index=index, reward=reward)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_groups_whose_task_rewards_are_all_equal_may_be_left_out(skip: bool) -> None:
+    rollout = parse_record(_record([_segment([1, 2, 3], 2, [1])]), 1.0, ARCH, replay_mode="off")
+    assert isinstance(rollout, Rollout)
+    # All failed, the length penalty alone telling them apart; all solved; mixed.
+    failed = [_graded(0.0, -0.1, 0), _graded(0.0, -0.3, 1)]
+    solved = [_graded(1.0, -0.1, 0), _graded(1.0, -0.1, 1)]
+    mixed = [_graded(1.0, -0.2, 0), _graded(0.0, -0.2, 1)]
+    batch = build_rl_batch(
+        [
+            PulledGroup("failed", 1.0, failed, [rollout, rollout]),
+            PulledGroup("solved", 1.0, solved, [rollout, rollout]),
+            PulledGroup("mixed", 1.0, mixed, [rollout, rollout]),
+        ],
+        microbatch_tokens=1000,
+        num_layers=2,
+        top_k=2,
+        skip_uniform_task_groups=skip,
+    )
+    # What the policy sampled is reported either way: six rollouts' rewards.
+    assert [r.task for r in batch.rewards] == [0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    assert batch.uniform_task_groups == 2
+    if skip:
+        assert batch.skipped == {"group_uniform_task_reward": 2}
+        assert batch.num_rollouts == 2
+        assert batch.advantages == pytest.approx([0.5, -0.5])
+        assert len(batch.microbatches[0].inputs.cu_seqlens) == 3  # two sequences
+    else:
+        assert not batch.skipped
+        assert batch.num_rollouts == 6
+        assert batch.advantages == pytest.approx([0.1, -0.1, 0.0, 0.0, 0.5, -0.5])
+
+
+def test_a_step_of_only_uniform_groups_trains_nothing() -> None:
+    rollout = parse_record(_record([_segment([1, 2, 3], 2, [1])]), 1.0, ARCH, replay_mode="off")
+    batch = build_rl_batch(
+        [PulledGroup("failed", 1.0, [_graded(0.0, 0.0, 0), _graded(0.0, -0.1, 1)], [rollout] * 2)],
+        microbatch_tokens=1000,
+        num_layers=2,
+        top_k=2,
+        skip_uniform_task_groups=True,
+    )
+    assert batch.microbatches == [] and batch.num_rollouts == 0 and batch.num_trained_tokens == 0

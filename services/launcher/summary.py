@@ -67,6 +67,10 @@ class RunSummary:
     mean_update_pause_s: float | None
     trainer_wait_fraction: float | None
     seconds_per_step: float | None
+    # Trained groups whose rollouts all earned the same task reward (no task signal), and
+    # how many of them the trainer left out of the gradient (rl.skip_uniform_task_groups).
+    groups_uniform_task_reward: int = 0
+    groups_skipped_uniform: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -151,6 +155,12 @@ def summarize(run: str, shot: Snapshot, store: ObjectStore) -> RunSummary:
         mean_update_pause_s=shot.last_update_pause_s,
         trainer_wait_fraction=waits / (waits + computes) if waits + computes > 0 else None,
         seconds_per_step=(wall[-1] - wall[0]) / (len(wall) - 1) if len(wall) > 1 else None,
+        groups_uniform_task_reward=int(
+            sum(float(r.get("groups_uniform_task_reward", 0.0)) for r in steps)
+        ),
+        groups_skipped_uniform=int(
+            sum(float(r.get("skipped_group_uniform_task_reward", 0.0)) for r in steps)
+        ),
     )
 
 
@@ -233,6 +243,13 @@ def print_summary(console: Console, summary: RunSummary, report: Path | None) ->
         f"{summary.steps} / {summary.groups_trained} "
         f"({summary.rollouts_trained} rollouts, {summary.groups_trained_twice} twice)",
     )
+    if summary.groups_uniform_task_reward:
+        share = summary.groups_uniform_task_reward / max(summary.groups_trained, 1)
+        table.add_row(
+            "groups with one task reward",
+            f"{summary.groups_uniform_task_reward} ({100 * share:.0f}%), "
+            f"{summary.groups_skipped_uniform} left out of the gradient",
+        )
     versions = summary.versions_published
     table.add_row(
         "versions published",

@@ -4,6 +4,12 @@ Dr. GRPO: a rollout's advantage is its reward minus the mean reward of its group
 no division by the group's standard deviation; every trained token of every segment of
 the rollout (self-summaries included) gets it. A group with fewer than two completed
 rollouts has no baseline (K = 1 gives a zero advantage): it is skipped and counted.
+Optionally (``rl.skip_uniform_task_groups``) so is a group whose rollouts all earned the
+same task reward, all solved or all failed: its advantages are only the small
+differences of the length and behaviour parts, and its tokens would cost a forward and
+backward for next to no signal (DAPO's dynamic sampling, without resampling). Such a
+group is still consumed by the step, and its rewards still count in the step's reward
+metrics, which describe what the policy sampled, not what was trained.
 
 Sequences (one per segment) are packed into a flat token stream and cut into
 microbatches of at most ``microbatch_tokens`` tokens (a sequence is never split); the
@@ -109,6 +115,8 @@ class RLBatch:
     advantages: list[float]
     group_weights: list[float]
     skipped: Counter[str] = field(default_factory=Counter)
+    # Groups whose rollouts all earned the same task reward, skipped or not.
+    uniform_task_groups: int = 0
 
     @property
     def num_trained_tokens(self) -> int:
@@ -182,6 +190,8 @@ class RLItems:
     advantages: list[float]
     group_weights: list[float]
     skipped: Counter[str] = field(default_factory=Counter)
+    # Groups whose rollouts all earned the same task reward, skipped or not.
+    uniform_task_groups: int = 0
 
     def batch(self, microbatches: list[Microbatch]) -> RLBatch:
         """The ``RLBatch`` of these statistics over ``microbatches``."""
@@ -192,10 +202,18 @@ class RLItems:
             self.advantages,
             self.group_weights,
             self.skipped,
+            self.uniform_task_groups,
         )
 
 
-def collect_rl_items(groups: Sequence[PulledGroup]) -> RLItems:
+def uniform_task_reward(summaries: Sequence[common_pb2.RolloutSummary]) -> bool:
+    """Every rollout of the group earned the same task reward (all solved or all failed)."""
+    return len({summary.reward.task for summary in summaries}) <= 1
+
+
+def collect_rl_items(
+    groups: Sequence[PulledGroup], *, skip_uniform_task_groups: bool = False
+) -> RLItems:
     """Dr. GRPO advantages per group, computed before any packing; the trainable segments.
 
     Packing may later put a group's rollouts on different ranks: each carries its
@@ -206,11 +224,17 @@ def collect_rl_items(groups: Sequence[PulledGroup]) -> RLItems:
     rewards: list[common_pb2.RewardParts] = []
     advantages: list[float] = []
     weights: list[float] = []
-    num_rollouts = 0
+    num_rollouts = uniform = 0
     for group in groups:
         if len(group.summaries) < 2:
             skipped["group_single_sample"] += 1
             continue
+        if uniform_task_reward(group.summaries):
+            uniform += 1
+            if skip_uniform_task_groups:
+                skipped["group_uniform_task_reward"] += 1
+                rewards.extend(summary.reward for summary in group.summaries)
+                continue
         # The baseline uses every completed rollout's reward, even one whose record cannot be
         # trained on: its reward is as valid as the others'.
         group_advantages = dr_grpo_advantages([s.reward.total for s in group.summaries])
@@ -225,14 +249,19 @@ def collect_rl_items(groups: Sequence[PulledGroup]) -> RLItems:
             advantages.append(advantage)
             weights.append(group.weight)
             items.extend((segment, advantage, group.weight) for segment in rollout.segments)
-    return RLItems(items, num_rollouts, rewards, advantages, weights, skipped)
+    return RLItems(items, num_rollouts, rewards, advantages, weights, skipped, uniform)
 
 
 def build_rl_batch(
-    groups: Sequence[PulledGroup], *, microbatch_tokens: int, num_layers: int, top_k: int
+    groups: Sequence[PulledGroup],
+    *,
+    microbatch_tokens: int,
+    num_layers: int,
+    top_k: int,
+    skip_uniform_task_groups: bool = False,
 ) -> RLBatch:
     """Advantages per group, then the trainable segments packed in order into microbatches."""
-    collected = collect_rl_items(groups)
+    collected = collect_rl_items(groups, skip_uniform_task_groups=skip_uniform_task_groups)
     microbatches: list[Microbatch] = []
     current: list[TrainItem] = []
     size = 0

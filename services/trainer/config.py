@@ -118,6 +118,13 @@ class RLConfig(StrictModel):
     microbatch_tokens: int = Field(
         16_384, ge=16, description="Tokens per forward/backward; a step accumulates microbatches."
     )
+    skip_uniform_task_groups: bool = Field(
+        False,
+        description="Leave out of the gradient a group whose rollouts all earned the same task "
+        "reward (all solved or all failed; counted as skipped_group_uniform_task_reward): its "
+        "advantages are only length and behaviour differences. The group is still consumed "
+        "by the step; raise groups_per_step to keep the informative groups per step.",
+    )
 
 
 class DataConfig(StrictModel):

@@ -454,7 +454,9 @@ class TrainingJob:
     def _collect(self, groups: Sequence[reconciler_pb2.Group]) -> RLItems:
         assert self.learner is not None
         pulled = load_groups(self.store, groups, self.learner.model.arch, self.job.replay.mode)
-        return collect_rl_items(pulled)
+        return collect_rl_items(
+            pulled, skip_uniform_task_groups=self.job.rl.skip_uniform_task_groups
+        )
 
     def _local_microbatches(self, part: RankPart) -> list[Microbatch]:
         from services.trainer.distributed.batching import local_microbatches
@@ -503,6 +505,7 @@ class TrainingJob:
             microbatch_tokens=self.job.rl.microbatch_tokens,
             num_layers=arch.num_layers,
             top_k=arch.top_k,
+            skip_uniform_task_groups=self.job.rl.skip_uniform_task_groups,
         )
 
     async def _run_stream(self) -> None:

@@ -179,7 +179,14 @@ class Learner:
             replayed += output.num_replayed
             tokens += microbatch.num_tokens
             trained += int(rows.numel())
-        grad_norm = self._step()
+        if batch.num_rollouts:
+            grad_norm = self._step()
+        else:
+            # Every group of the step was skipped (the same on every rank: num_rollouts is
+            # the step's): no optimizer step, or Adam's momentum would move the weights.
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            grad_norm = 0.0
         names = list(sums)
         totals = self._reduce(
             [pg, kl, mtp_total, *sums.values(), replayed, tokens, trained, *replaced]

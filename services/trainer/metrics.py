@@ -82,6 +82,7 @@ def batch_metrics(batch: RLBatch, num_stale_dropped: int) -> dict[str, float]:
         **advantage_metrics(batch.advantages),
         **{f"skipped_{reason}": float(count) for reason, count in batch.skipped.items()},
         "groups_stale_dropped": float(num_stale_dropped),
+        "groups_uniform_task_reward": float(batch.uniform_task_groups),
         "group_weight_mean": sum(weights) / len(weights) if weights else 0.0,
         "rollouts": float(batch.num_rollouts),
     }
