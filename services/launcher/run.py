@@ -160,6 +160,8 @@ class LocalRun:
         self._prepare_redis()
         if self.options.fresh:
             self._forget_run()
+        else:
+            self._check_resumable()
         store = self.config.object_store.url
         if store.startswith("file://"):
             Path(store.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
@@ -242,6 +244,39 @@ class LocalRun:
         shutil.rmtree(self.state_dir / "report", ignore_errors=True)
         self.console.print(
             f"fresh: forgot run {run!r} ({len(keys)} Redis keys, checkpoints, weights, evals)"
+        )
+
+    def _check_resumable(self) -> None:
+        """Refuses a run that Redis remembers as trained when its trainer checkpoints are gone.
+
+        Resuming needs both halves: the reconciler's commits (in Redis) and the trainer's
+        checkpoint they were made after. With the state directory deleted and Redis kept,
+        the trainer would start at step 0 and its first commit fail as already committed.
+        """
+        import redis
+
+        from services.reconciler.store import run_prefix
+        from services.trainer.checkpoint import META_FILE
+        from services.trainer.job import checkpoint_root
+
+        job = self.config.trainer.job
+        if job is None or job.phase != "rl":
+            return
+        run = self.config.run.name
+        client = redis.Redis.from_url(self.config.redis.url)
+        try:
+            committed = client.hget(
+                f"{run_prefix(run)}:consumer:{job.rl.consumer_id}", "committed_step"
+            )
+        finally:
+            client.close()
+        root = checkpoint_root(self.config)
+        if committed is None or any(root.glob(f"*/{META_FILE}")):
+            return
+        raise RunFailed(
+            f"Redis at {self.config.redis.url} holds run {run!r} trained through step "
+            f"{int(committed)}, but there is no trainer checkpoint in {root} to resume from "
+            "(was the state directory deleted?): `etude run --fresh` starts the run over"
         )
 
     def _make_synchronous(self) -> None:
