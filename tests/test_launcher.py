@@ -229,7 +229,7 @@ def test_a_run_redis_remembers_without_its_checkpoints_is_refused(tmp_path: Path
     from services.launcher.run import LocalRun, RunFailed, RunOptions
     from services.reconciler.store import run_prefix
     from services.run_config import load_config
-    from services.trainer.checkpoint import META_FILE
+    from services.trainer.paths import META_FILE
 
     name = f"resume-{secrets.token_hex(4)}"
     config = tmp_path / "config.toml"
@@ -247,6 +247,11 @@ def test_a_run_redis_remembers_without_its_checkpoints_is_refused(tmp_path: Path
     client.hset(key, "committed_step", 29)
     try:
         with pytest.raises(RunFailed, match=rf"run '{name}' trained through step 29.*--fresh"):
+            run._check_resumable()
+        partial = tmp_path / "state" / "checkpoints" / name / ".step-30.partial-1"
+        partial.mkdir(parents=True)
+        (partial / META_FILE).write_text("{}")  # a save that never finished resumes nothing
+        with pytest.raises(RunFailed, match="no trainer checkpoint"):
             run._check_resumable()
         checkpoint = tmp_path / "state" / "checkpoints" / name / "step-30"
         checkpoint.mkdir(parents=True)

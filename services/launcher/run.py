@@ -221,7 +221,7 @@ class LocalRun:
         import redis
 
         from services.reconciler.store import run_prefix
-        from services.trainer.job import checkpoint_root
+        from services.trainer.paths import checkpoint_root
 
         run = self.config.run.name
         client = redis.Redis.from_url(self.config.redis.url)
@@ -256,8 +256,7 @@ class LocalRun:
         import redis
 
         from services.reconciler.store import run_prefix
-        from services.trainer.checkpoint import META_FILE
-        from services.trainer.job import checkpoint_root
+        from services.trainer.paths import checkpoint_dirs, checkpoint_root
 
         job = self.config.trainer.job
         if job is None or job.phase != "rl":
@@ -271,7 +270,7 @@ class LocalRun:
         finally:
             client.close()
         root = checkpoint_root(self.config)
-        if committed is None or any(root.glob(f"*/{META_FILE}")):
+        if committed is None or checkpoint_dirs(root):
             return
         raise RunFailed(
             f"Redis at {self.config.redis.url} holds run {run!r} trained through step "

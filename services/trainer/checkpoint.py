@@ -28,8 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from services.trainer.learner import Learner
-
-META_FILE = "etude_checkpoint.json"
+from services.trainer.paths import META_FILE, checkpoint_dirs
 
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
@@ -129,13 +128,8 @@ class CheckpointStore:
     def list(self) -> list[CheckpointInfo]:
         """Every complete checkpoint, oldest step first."""
         found = []
-        if not self.root.is_dir():
-            return []
-        for path in self.root.iterdir():
-            meta_path = path / META_FILE
-            if path.name.startswith(".") or not meta_path.is_file():
-                continue
-            meta = json.loads(meta_path.read_text())
+        for path in checkpoint_dirs(self.root):
+            meta = json.loads((path / META_FILE).read_text())
             found.append(CheckpointInfo(meta["tag"], int(meta["step"]), path, meta["created_at"]))
         return sorted(found, key=lambda info: (info.step, info.created_at))
 

@@ -54,6 +54,7 @@ from services.trainer.config import JobConfig
 from services.trainer.distributed.layout import check_job
 from services.trainer.learner import Learner
 from services.trainer.model import Architecture, resolve_experts_precision, save_pretrained
+from services.trainer.paths import checkpoint_root
 from services.trainer.publishing import PolicyPublisher
 from services.trainer.sft import ExampleStream, open_source, to_microbatch
 
@@ -81,11 +82,6 @@ def version_provenance(groups: Sequence[reconciler_pb2.Group], version: int) -> 
             1 for r in rollouts if r.max_policy_version > r.min_policy_version
         ),
     }
-
-
-def checkpoint_root(config: EtudeConfig) -> Path:
-    """Where the run's checkpoints live."""
-    return config.trainer.checkpoint_dir or config.run.state_dir / "checkpoints" / config.run.name
 
 
 class TrainingJob:

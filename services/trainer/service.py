@@ -89,7 +89,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self, request: trainer_pb2.ListCheckpointsRequest, context: aio.ServicerContext
     ) -> trainer_pb2.ListCheckpointsResponse:
         from services.trainer.checkpoint import CheckpointStore
-        from services.trainer.job import checkpoint_root
+        from services.trainer.paths import checkpoint_root
 
         infos = await asyncio.to_thread(CheckpointStore(checkpoint_root(self._service.config)).list)
         return trainer_pb2.ListCheckpointsResponse(
