@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from services.api.v1 import common_pb2
-from services.trainer.batch import PulledGroup, build_rl_batch, dr_grpo_advantages
+from services.api.v1 import common_pb2, reconciler_pb2
+from services.objectstore.base import sha256_hex
+from services.objectstore.local import FileObjectStore
+from services.trainer.batch import PulledGroup, build_rl_batch, dr_grpo_advantages, load_groups
 from services.trainer.loss import next_token_loss, policy_loss
 from services.trainer.model import Architecture, PackedInputs
 from services.trainer.rollouts import Rollout, RolloutError, parse_record, parse_segment
@@ -298,6 +301,60 @@ def test_groups_whose_task_rewards_are_all_equal_may_be_left_out(skip: bool) -> 
         assert not batch.skipped
         assert batch.num_rollouts == 6
         assert batch.advantages == pytest.approx([0.1, -0.1, 0.0, 0.0, 0.5, -0.5])
+
+
+class _CountingStore(FileObjectStore):
+    """A file store that remembers which keys were read."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.read: list[str] = []
+
+    def get(self, key: str) -> bytes:
+        self.read.append(key)
+        return super().get(key)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_left_out_group_is_decided_from_its_summaries_without_fetching(
+    tmp_path: Path, skip: bool
+) -> None:
+    store = _CountingStore(tmp_path)
+    data = _record([_segment([1, 2, 3], 2, [1])]).SerializeToString()
+
+    def graded(group: str, task: float, index: int) -> common_pb2.RolloutSummary:
+        summary = _graded(task, -0.1 * index, index)
+        key = f"rollouts/{group}/{index}.pb"
+        store.put(key, data)
+        summary.record.CopyFrom(
+            common_pb2.ObjectRef(key=key, size_bytes=len(data), sha256=sha256_hex(data))
+        )
+        return summary
+
+    groups = [
+        reconciler_pb2.Group(
+            group_id="failed", rollouts=[graded("failed", 0.0, i) for i in (0, 1)]
+        ),
+        reconciler_pb2.Group(
+            group_id="mixed", rollouts=[graded("mixed", float(i), i) for i in (0, 1)]
+        ),
+        reconciler_pb2.Group(group_id="single", rollouts=[graded("single", 1.0, 0)]),
+    ]
+    pulled = load_groups(store, groups, ARCH, "off", skip_uniform_task_groups=skip)
+    fetched = {key.split("/")[1] for key in store.read}
+    assert fetched == ({"mixed"} if skip else {"failed", "mixed"})
+    assert [len(group.rollouts) for group in pulled] == [0 if skip else 2, 2, 0]
+    batch = build_rl_batch(
+        pulled, microbatch_tokens=1000, num_layers=2, top_k=2, skip_uniform_task_groups=skip
+    )
+    # The same step as with every record fetched: only the counts tell the groups apart.
+    assert batch.skipped == (
+        {"group_single_sample": 1, "group_uniform_task_reward": 1}
+        if skip
+        else {"group_single_sample": 1}
+    )
+    assert batch.num_rollouts == (2 if skip else 4)
+    assert [r.task for r in batch.rewards] == [0.0, 0.0, 0.0, 1.0]
 
 
 def test_a_step_of_only_uniform_groups_trains_nothing() -> None:

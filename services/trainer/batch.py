@@ -51,7 +51,8 @@ def dr_grpo_advantages(rewards: Sequence[float]) -> list[float]:
 
 @dataclass
 class PulledGroup:
-    """One group as pulled: its reconciler record and each completed rollout, parsed or not."""
+    """One group as pulled: its reconciler record and each completed rollout, parsed or not
+    (none for a group left out on its summaries alone, see ``load_groups``)."""
 
     group_id: str
     weight: float
@@ -129,13 +130,23 @@ def load_groups(
     groups: Sequence[reconciler_pb2.Group],
     arch: Architecture,
     replay_mode: str,
+    *,
+    skip_uniform_task_groups: bool = False,
 ) -> list[PulledGroup]:
-    """Each pulled group with its rollout records fetched and checked (or the reason not)."""
+    """Each pulled group with its rollout records fetched and checked (or the reason not).
+
+    A group the step will leave out whatever its records hold (one rollout, or one task
+    reward for all when such groups are skipped) is decided from its summaries alone:
+    its records are not fetched, and it comes back with no rollouts.
+    """
     pulled = []
     for group in groups:
         summaries = sorted(group.rollouts, key=lambda s: s.sample_index)
         rollouts: list[Rollout | RolloutError] = []
-        for summary in summaries:
+        trainable = len(summaries) >= 2 and not (
+            skip_uniform_task_groups and uniform_task_reward(summaries)
+        )
+        for summary in summaries if trainable else []:
             try:
                 record = fetch_record(store, summary.record)
                 rollouts.append(

@@ -449,10 +449,15 @@ class TrainingJob:
 
     def _collect(self, groups: Sequence[reconciler_pb2.Group]) -> RLItems:
         assert self.learner is not None
-        pulled = load_groups(self.store, groups, self.learner.model.arch, self.job.replay.mode)
-        return collect_rl_items(
-            pulled, skip_uniform_task_groups=self.job.rl.skip_uniform_task_groups
+        skip = self.job.rl.skip_uniform_task_groups
+        pulled = load_groups(
+            self.store,
+            groups,
+            self.learner.model.arch,
+            self.job.replay.mode,
+            skip_uniform_task_groups=skip,
         )
+        return collect_rl_items(pulled, skip_uniform_task_groups=skip)
 
     def _local_microbatches(self, part: RankPart) -> list[Microbatch]:
         from services.trainer.distributed.batching import local_microbatches
@@ -495,13 +500,16 @@ class TrainingJob:
         """Fetches and checks the pulled groups' rollout records; packs the batch."""
         assert self.learner is not None
         arch = self.learner.model.arch
-        pulled = load_groups(self.store, groups, arch, self.job.replay.mode)
+        skip = self.job.rl.skip_uniform_task_groups
+        pulled = load_groups(
+            self.store, groups, arch, self.job.replay.mode, skip_uniform_task_groups=skip
+        )
         return build_rl_batch(
             pulled,
             microbatch_tokens=self.job.rl.microbatch_tokens,
             num_layers=arch.num_layers,
             top_k=arch.top_k,
-            skip_uniform_task_groups=self.job.rl.skip_uniform_task_groups,
+            skip_uniform_task_groups=skip,
         )
 
     async def _run_stream(self) -> None:
