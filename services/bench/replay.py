@@ -18,6 +18,9 @@ logprobs of the generated tokens twice, in the same run: routing with its own ro
 * ``bf16_noise_floor``: mean |trainer bf16 - trainer fp32| on the same tokens, both
   replaying inference's routes: the part of the gap that is bf16 rounding, which no
   routing can remove. The ratio can only be large where routing flips dominate it.
+* ``mismatch_fp32_with_replay``: mean |trainer fp32 logp - vLLM logp|, replaying: how
+  far inference's bf16 forward is from the exact one; where it is well below
+  ``mismatch_with_replay``, the trainer's bf16 rounds differently from vLLM's, not more.
 
 ``ETUDE_BENCH_REPLAY_MODEL_DIR`` names a model directory to serve instead of a fresh
 factory ``tiny`` model (e.g. one trained for a while, whose routing matters more).
@@ -212,6 +215,7 @@ def measure(model_dir: Path, samples: list[dict[str, Any]]) -> dict[str, float]:
         "replacement_rate": sum(with_replay.num_replaced) / max(choices, 1),
         "route_agreement_without_replay": float(agreement),
         "bf16_noise_floor": float((replay_logprobs - exact_logprobs).abs().mean()),
+        "mismatch_fp32_with_replay": float((exact_logprobs - reference).abs().mean()),
         "generated_tokens": float(targets.numel()),
     }
 
