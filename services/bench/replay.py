@@ -19,8 +19,9 @@ logprobs of the generated tokens twice, in the same run: routing with its own ro
   replaying inference's routes: the part of the gap that is bf16 rounding, which no
   routing can remove. The ratio can only be large where routing flips dominate it.
 * ``mismatch_fp32_with_replay``: mean |trainer fp32 logp - vLLM logp|, replaying: how
-  far inference's bf16 forward is from the exact one; where it is well below
-  ``mismatch_with_replay``, the trainer's bf16 rounds differently from vLLM's, not more.
+  far inference's bf16 forward is from the exact one. Well below ``mismatch_with_replay``,
+  vLLM is nearer the exact forward and the trainer's bf16 rounds more; about equal, both
+  sides round as much, differently.
 
 ``ETUDE_BENCH_REPLAY_MODEL_DIR`` names a model directory to serve instead of a fresh
 factory ``tiny`` model (e.g. one trained for a while, whose routing matters more).

@@ -143,10 +143,8 @@ def load_groups(
     for group in groups:
         summaries = sorted(group.rollouts, key=lambda s: s.sample_index)
         rollouts: list[Rollout | RolloutError] = []
-        trainable = len(summaries) >= 2 and not (
-            skip_uniform_task_groups and uniform_task_reward(summaries)
-        )
-        for summary in summaries if trainable else []:
+        trained = left_out(summaries, skip_uniform_task_groups=skip_uniform_task_groups) is None
+        for summary in summaries if trained else []:
             try:
                 record = fetch_record(store, summary.record)
                 rollouts.append(
@@ -222,6 +220,17 @@ def uniform_task_reward(summaries: Sequence[common_pb2.RolloutSummary]) -> bool:
     return len({summary.reward.task for summary in summaries}) <= 1
 
 
+def left_out(
+    summaries: Sequence[common_pb2.RolloutSummary], *, skip_uniform_task_groups: bool
+) -> str | None:
+    """Why a group is not trained whatever its records hold (its skip reason), or None."""
+    if len(summaries) < 2:
+        return "group_single_sample"
+    if skip_uniform_task_groups and uniform_task_reward(summaries):
+        return "group_uniform_task_reward"
+    return None
+
+
 def collect_rl_items(
     groups: Sequence[PulledGroup], *, skip_uniform_task_groups: bool = False
 ) -> RLItems:
@@ -237,15 +246,16 @@ def collect_rl_items(
     weights: list[float] = []
     num_rollouts = uniform = 0
     for group in groups:
-        if len(group.summaries) < 2:
-            skipped["group_single_sample"] += 1
+        reason = left_out(group.summaries, skip_uniform_task_groups=skip_uniform_task_groups)
+        if reason == "group_single_sample":
+            skipped[reason] += 1
             continue
         if uniform_task_reward(group.summaries):
             uniform += 1
-            if skip_uniform_task_groups:
-                skipped["group_uniform_task_reward"] += 1
-                rewards.extend(summary.reward for summary in group.summaries)
-                continue
+        if reason is not None:
+            skipped[reason] += 1
+            rewards.extend(summary.reward for summary in group.summaries)
+            continue
         # The baseline uses every completed rollout's reward, even one whose record cannot be
         # trained on: its reward is as valid as the others'.
         group_advantages = dr_grpo_advantages([s.reward.total for s in group.summaries])
