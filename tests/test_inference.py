@@ -171,11 +171,24 @@ def _announce(replica: Replica, notice: common_pb2.PolicyVersionNotice) -> None:
         )
 
 
-def _status(target: str) -> inference_pb2.InferenceStatusResponse:
+def _status(target: str, timeout_s: float = 10) -> inference_pb2.InferenceStatusResponse:
     with grpc.insecure_channel(target) as channel:
         return inference_pb2_grpc.InferenceServiceStub(channel).GetStatus(
-            common_pb2.StatusRequest(), metadata=AUTH, timeout=10
+            common_pb2.StatusRequest(), metadata=AUTH, timeout=timeout_s
         )
+
+
+def _serving_version(target: str) -> int | None:
+    """The version the replica serves, or None when its status did not come back in time:
+    with the engine, the replica and this test sharing two cores, a probe can wait longer
+    than any fixed deadline, and the update under test does not depend on it."""
+    try:
+        return _status(target, timeout_s=30).serving_version
+    except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise
+        print(f"GetStatus took over 30 s while version 2 was loading ({time.monotonic():.0f})")
+        return None
 
 
 def test_a_cold_replica_serves_the_newest_version_before_turning_ready(
@@ -234,8 +247,10 @@ def test_weights_update_in_flight(replica: Replica, tiny_model: Path) -> None:
             # Requests stay queued until the replica serves version 2, however long the
             # update takes: one is always mid-way when it lands.
             deadline = time.monotonic() + 180
-            while (await asyncio.to_thread(_status, replica.target)).serving_version != 2:
-                assert time.monotonic() < deadline, "version 2 was never loaded"
+            while await asyncio.to_thread(_serving_version, replica.target) != 2:
+                assert time.monotonic() < deadline, (
+                    "version 2 was never loaded:\n" + replica.log.read_text()[-3000:]
+                )
                 if sum(not t.done() for t in tasks) < 4:
                     tasks.append(asyncio.create_task(one(len(tasks))))
                 await asyncio.sleep(0.3)
