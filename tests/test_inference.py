@@ -187,7 +187,7 @@ def _serving_version(target: str) -> int | None:
     except grpc.RpcError as error:
         if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
             raise
-        print(f"GetStatus took over 30 s while version 2 was loading ({time.monotonic():.0f})")
+        print("GetStatus took over 30 s while version 2 was loading; asking again")
         return None
 
 
