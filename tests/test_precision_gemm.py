@@ -218,3 +218,38 @@ def test_scale_swizzle_matches_the_cublas_layout(shape: tuple[int, int]) -> None
             r, c = row % 128, col % 4
             want[tile * 512 + (r % 32) * 16 + (r // 32) * 4 + c] = codes[row, col]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_plain_grouped_gemm_and_its_gradients_equal_each_experts_own_matmul(
+    precision: str,
+) -> None:
+    """The bf16/fp32 recipes split the tokens and unbind the experts (no per-expert slice,
+    whose backward zero-fills a tensor the size of the whole input): forward and both
+    gradients are those of each expert's matmul taken on its own, idle experts included."""
+    generator = torch.Generator().manual_seed(3)
+    sizes = [5, 0, 17, 1, 0, 9]
+    x = torch.randn(sum(sizes), 24, generator=generator)
+    weight = torch.randn(len(sizes), 40, 24, generator=generator)
+    grad = torch.randn(sum(sizes), 40, generator=generator)
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    out, grad_x, grad_w = _run(x, weight, sizes, grad, PrecisionConfig(precision=precision))
+
+    expected_out = torch.zeros_like(out)
+    expected_x, expected_w = torch.zeros_like(x), torch.zeros_like(weight)
+    start = 0
+    for expert, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        x_e = x[rows].detach().clone().requires_grad_()
+        w_e = weight[expert].detach().clone().requires_grad_()
+        y = (x_e.to(dtype) @ w_e.to(dtype).T).to(torch.float32)
+        y.backward(grad[rows])
+        expected_out[rows] = y.detach()
+        if size:
+            assert x_e.grad is not None and w_e.grad is not None
+            expected_x[rows], expected_w[expert] = x_e.grad, w_e.grad
+        start += size
+    assert torch.equal(out, expected_out)
+    assert torch.equal(grad_x, expected_x)
+    assert torch.equal(grad_w, expected_w)
+    assert torch.count_nonzero(grad_w[[1, 4]]) == 0

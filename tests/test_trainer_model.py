@@ -198,3 +198,36 @@ def test_auto_expert_precision_follows_the_compute_dtype() -> None:
     assert resolve_experts_precision("auto", torch.bfloat16).precision == "bf16"
     chosen = resolve_experts_precision("nvfp4_fwd_mxfp8_bwd", torch.float32, "emulated")
     assert (chosen.precision, chosen.backend) == ("nvfp4_fwd_mxfp8_bwd", "emulated")
+
+
+def test_packed_attention_and_its_gradients_equal_one_attention_per_sequence() -> None:
+    """``causal_attention`` splits the stream (a slice per sequence made the backward zero-fill
+    the whole stream once per sequence): outputs and gradients are those of attending within
+    each sequence alone, a one-token sequence included."""
+    from services.trainer.model.layers import causal_attention
+
+    generator = torch.Generator().manual_seed(5)
+    lengths = [7, 1, 12, 4]
+    cu_seqlens = [0, 7, 8, 20, 24]
+    query = torch.randn(24, 4, 8, generator=generator, requires_grad=True)
+    key = torch.randn(24, 2, 8, generator=generator, requires_grad=True)
+    value = torch.randn(24, 2, 8, generator=generator, requires_grad=True)
+    grad = torch.randn(24, 4, 8, generator=generator)
+    packed_out = causal_attention(query, key, value, cu_seqlens)
+    packed_out.backward(grad)
+
+    start = 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        q, k, v = (t[rows].detach().clone().requires_grad_() for t in (query, key, value))
+        # GQA by hand: each key/value head serves two query heads.
+        scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, dim=1)) / 8**0.5
+        mask = torch.ones(length, length, dtype=torch.bool).tril()
+        weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out = torch.einsum("hqk,khd->qhd", weights, v.repeat_interleave(2, dim=1))
+        out.backward(grad[rows])
+        torch.testing.assert_close(packed_out[rows].detach(), out.detach(), atol=1e-5, rtol=1e-5)
+        for packed, alone in ((query, q), (key, k), (value, v)):
+            assert packed.grad is not None and alone.grad is not None
+            torch.testing.assert_close(packed.grad[rows], alone.grad, atol=1e-5, rtol=1e-5)
+        start += length

@@ -113,9 +113,12 @@ class _NVFP4ForwardMXFP8Backward(torch.autograd.Function):
 def _plain_grouped_gemm(
     x: torch.Tensor, weight: torch.Tensor, bounds: Bounds, dtype: torch.dtype
 ) -> torch.Tensor:
+    # ``split`` and ``unbind``, not a slice per expert: a slice's backward zero-fills a
+    # tensor the size of the whole input (or of every expert's weights) for each expert.
+    sizes = [end - start for start, end in bounds]
     outputs = [
-        x[start:end].to(dtype) @ weight[expert].to(dtype).T
-        for expert, (start, end) in enumerate(bounds)
+        rows.to(dtype) @ expert_weight.to(dtype).T
+        for rows, expert_weight in zip(x.split(sizes), weight.unbind(0), strict=True)
     ]
     return torch.cat(outputs).to(x.dtype)
 
