@@ -75,6 +75,12 @@ def run(
         bool,
         typer.Option(help="Synchronous RL: one batch generated per version, then trained."),
     ] = False,
+    rebuild_model: Annotated[
+        bool,
+        typer.Option(
+            help="Delete the base model and its stages and build them again (needs --fresh)."
+        ),
+    ] = False,
 ) -> None:
     """The main job: base model, services, async RL with evals, report; Ctrl-C stops it.
 
@@ -84,7 +90,14 @@ def run(
     """
     from services.launcher.run import run_local
 
-    code = run_local(_load(config), config, exit_when_ready=exit_when_ready, fresh=fresh, sync=sync)
+    code = run_local(
+        _load(config),
+        config,
+        exit_when_ready=exit_when_ready,
+        fresh=fresh,
+        sync=sync,
+        rebuild_model=rebuild_model,
+    )
     raise typer.Exit(code)
 
 

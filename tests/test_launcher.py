@@ -260,3 +260,36 @@ def test_a_run_redis_remembers_without_its_checkpoints_is_refused(tmp_path: Path
     finally:
         client.delete(key)
         client.close()
+
+
+def test_rebuild_model_needs_fresh_and_deletes_only_a_model_etude_run_built(
+    tmp_path: Path,
+) -> None:
+    from rich.console import Console
+
+    from services.launcher.run import LocalRun, RunFailed, RunOptions
+    from services.run_config import load_config
+
+    config = tmp_path / "config.toml"
+    model_dir = tmp_path / "models" / "small"
+    write_config(config, model_dir=model_dir, state_dir=tmp_path / "state")
+    loaded = load_config(config, environ={})
+
+    alone = LocalRun(loaded, config, Console(), RunOptions(rebuild_model=True))
+    with pytest.raises(RunFailed, match="--rebuild-model needs --fresh"):
+        alone.prepare()
+    assert not (tmp_path / "state").exists()  # refused before anything was made
+
+    run = LocalRun(loaded, config, Console(), RunOptions(fresh=True, rebuild_model=True))
+    (model_dir).mkdir(parents=True)
+    (model_dir / "config.json").write_text("{}")
+    with pytest.raises(RunFailed, match=r"model_dir .* was not built by `etude run`"):
+        run._remove_model()
+    assert (model_dir / "config.json").is_file()  # someone's own model stays
+
+    stages = tmp_path / "models" / "small.stages"
+    (stages / "cpt").mkdir(parents=True)
+    (stages / "cpt" / "config.json").write_text("{}")
+    run._remove_model()
+    assert not model_dir.exists() and not stages.exists()
+    run._remove_model()  # nothing left to remove is not an error

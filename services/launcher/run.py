@@ -75,6 +75,7 @@ class RunOptions:
     fresh: bool = False
     sync: bool = False
     exit_when_ready: bool = False
+    rebuild_model: bool = False
 
 
 @dataclass
@@ -155,6 +156,11 @@ class LocalRun:
 
     def prepare(self) -> None:
         """Token, Redis, object store directory and model: everything the services need."""
+        if self.options.rebuild_model and not self.options.fresh:
+            raise RunFailed(
+                "--rebuild-model needs --fresh: a run trained from the old base model cannot "
+                "go on from a new one"
+            )
         (self.state_dir / "logs").mkdir(parents=True, exist_ok=True)
         self._prepare_token()
         self._prepare_redis()
@@ -168,6 +174,8 @@ class LocalRun:
         if self.options.sync:
             self._make_synchronous()
         self._check_cpu_affinity()
+        if self.options.rebuild_model:
+            self._remove_model()
         self._prepare_model()
 
     def _check_cpu_affinity(self) -> None:
@@ -288,6 +296,24 @@ class LocalRun:
         self.console.print(
             f"sync: max_staleness 0, {job.rl.groups_per_step} groups generated per version"
         )
+
+    def _remove_model(self) -> None:
+        """``--rebuild-model``: the base model and its stages go, if ``etude run`` built them.
+
+        A model directory without the launcher's stages beside it is someone's own model
+        (``inference.engine.model_dir`` pointed at it): it is refused, never deleted.
+        """
+        from services.launcher.base_model import remove_base_model, stage_dirs
+
+        model_dir = self.config.inference.engine.model_dir
+        stages = stage_dirs(model_dir)["init"].parent
+        if model_dir.exists() and not stages.is_dir():
+            raise RunFailed(
+                f"--rebuild-model: inference.engine.model_dir {model_dir} was not built by "
+                f"`etude run` (no {stages}); delete it yourself to build a base model there"
+            )
+        remove_base_model(model_dir)
+        self.console.print(f"model: removed {model_dir} and {stages} (--rebuild-model)")
 
     def _prepare_model(self) -> None:
         model_dir = self.config.inference.engine.model_dir
@@ -601,6 +627,7 @@ def run_local(
     exit_when_ready: bool = False,
     fresh: bool = False,
     sync: bool = False,
+    rebuild_model: bool = False,
 ) -> int:
     """`etude run`: returns the exit code (0 when the run finished and stopped cleanly)."""
     console = Console(highlight=False)
@@ -609,7 +636,9 @@ def run_local(
         raise _Stop
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
-    options = RunOptions(fresh=fresh, sync=sync, exit_when_ready=exit_when_ready)
+    options = RunOptions(
+        fresh=fresh, sync=sync, exit_when_ready=exit_when_ready, rebuild_model=rebuild_model
+    )
     run = LocalRun(config, config_path, console, options)
     code = 1
     try:
