@@ -195,7 +195,7 @@ def build_base_model(
     """Builds the model at ``model_dir`` (the SFT stage's output); resumes finished stages."""
     from services.model_factory.build import init_model
 
-    stages = model_dir.parent / f"{model_dir.name}.stages"
+    stages = stages_dir(model_dir)
     stages.mkdir(parents=True, exist_ok=True)
     reports: list[StageReport] = []
     init_dir, cpt_dir = stages / "init", stages / "cpt"
@@ -258,13 +258,18 @@ def build_base_model(
     return reports
 
 
+def stages_dir(model_dir: Path) -> Path:
+    """``<model_dir>.stages``: the earlier stages' models, beside the base model."""
+    return model_dir.parent / f"{model_dir.name}.stages"
+
+
 def stage_dirs(model_dir: Path) -> dict[str, Path]:
     """Where each stage's model lives (``sft`` is ``model_dir`` itself)."""
-    stages = model_dir.parent / f"{model_dir.name}.stages"
+    stages = stages_dir(model_dir)
     return {"init": stages / "init", "cpt": stages / "cpt", "sft": model_dir}
 
 
 def remove_base_model(model_dir: Path) -> None:
     """Deletes the model and its stages (``etude run --fresh --rebuild-model``)."""
-    for path in (model_dir, model_dir.parent / f"{model_dir.name}.stages"):
+    for path in (model_dir, stages_dir(model_dir)):
         shutil.rmtree(path, ignore_errors=True)

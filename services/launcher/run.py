@@ -303,10 +303,10 @@ class LocalRun:
         A model directory without the launcher's stages beside it is someone's own model
         (``inference.engine.model_dir`` pointed at it): it is refused, never deleted.
         """
-        from services.launcher.base_model import remove_base_model, stage_dirs
+        from services.launcher.base_model import remove_base_model, stages_dir
 
         model_dir = self.config.inference.engine.model_dir
-        stages = stage_dirs(model_dir)["init"].parent
+        stages = stages_dir(model_dir)
         if model_dir.exists() and not stages.is_dir():
             raise RunFailed(
                 f"--rebuild-model: inference.engine.model_dir {model_dir} was not built by "
