@@ -41,10 +41,27 @@ class ModelSettings(StrictModel):
     experts_backend: Literal["auto", "emulated", "blackwell"] = Field(
         "auto", description="Kernel backend of the quantized recipe (see docs/precision.md)."
     )
+    numerics: Literal["eager", "fused"] = Field(
+        "eager",
+        description="Where bf16 activations round: 'eager' after every operation, as "
+        "transformers does (bit-identical to it); 'fused' once per fused kernel, as vLLM's "
+        "CPU kernels do (add+norm, RoPE, SwiGLU and the top-k combine in float32), which "
+        "brings the trainer's logprobs closer to inference's (docs/trainer.md). 'fused' "
+        "needs the bf16 or fp32 expert recipe.",
+    )
     num_mtp_heads: int = Field(
         0, ge=0, le=4, description="Multi-token-prediction heads trained by self-distillation."
     )
     mtp_loss_coef: float = Field(0.1, ge=0, description="Weight of the MTP distillation loss.")
+
+    @model_validator(mode="after")
+    def _fused_needs_plain_experts(self) -> ModelSettings:
+        if self.numerics == "fused" and self.experts_precision == "nvfp4_fwd_mxfp8_bwd":
+            raise ValueError(
+                "model.numerics 'fused' needs experts_precision bf16, fp32 or auto, "
+                "not nvfp4_fwd_mxfp8_bwd"
+            )
+        return self
 
 
 class ReplayConfig(StrictModel):

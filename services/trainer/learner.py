@@ -72,6 +72,7 @@ class Learner:
             replay_min_prob_ratio=job.replay.min_prob_ratio,
             num_mtp_heads=settings.num_mtp_heads,
             seed=job.seed,
+            numerics=settings.numerics,
         )
         reference = None
         if job.phase == "rl" and job.rl.kl_coef > 0:

@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from services.trainer.precision import MoEExperts, grouped_gemm
+from services.trainer.precision import MoEExperts
+from services.trainer.precision.moe import swiglu_experts
 from services.trainer.precision.mxfp8 import quantize_mxfp8
 
 
@@ -143,9 +143,16 @@ class ExpertParallelExperts(MoEExperts):
         )
 
     def forward(
-        self, tokens_sorted: torch.Tensor, group_sizes: torch.Tensor | list[int]
+        self,
+        tokens_sorted: torch.Tensor,
+        group_sizes: torch.Tensor | list[int],
+        *,
+        fused: bool = False,
     ) -> torch.Tensor:
-        """``tokens_sorted [T, d_model]`` grouped by global expert (``group_sizes [E]``)."""
+        """``tokens_sorted [T, d_model]`` grouped by global expert (``group_sizes [E]``).
+
+        ``fused``: see ``services.trainer.precision.moe.swiglu_experts``.
+        """
         ep, num_local = self.mesh.size(), self.num_local_experts
         sizes = torch.as_tensor(group_sizes, dtype=torch.long, device=tokens_sorted.device)
         arriving = torch.empty_like(sizes)
@@ -160,8 +167,8 @@ class ExpertParallelExperts(MoEExperts):
         expert_of_row = expert_of_row.repeat_interleave(counts.flatten())
         order = torch.argsort(expert_of_row, stable=True)
         gate_up, down = self._local_weights()
-        hidden = grouped_gemm(arrived[order], gate_up, counts.sum(dim=0), self.config)
-        gate, up = hidden.split(self.d_ff, dim=-1)
-        out = grouped_gemm(F.silu(gate) * up, down, counts.sum(dim=0), self.config)
+        out = swiglu_experts(
+            arrived[order], gate_up, down, counts.sum(dim=0), self.config, fused=fused
+        )
         returned = out[torch.argsort(order)]  # back to arrival order
         return all_to_all(returned, recv_splits, send_splits, self.group)

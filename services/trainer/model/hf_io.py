@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.trainer.model.architecture import Architecture
+from services.trainer.model.layers import Numerics
 from services.trainer.model.mtp import MTPHead
 from services.trainer.model.transformer import Qwen3MoE
 from services.trainer.precision import PrecisionConfig
@@ -129,6 +130,7 @@ def load_pretrained(
     replay_min_prob_ratio: float = 0.1,
     num_mtp_heads: int = 0,
     seed: int = 0,
+    numerics: Numerics = "eager",
 ) -> Qwen3MoE:
     """A ``Qwen3MoE`` with the weights of an HF model directory (float32 master weights).
 
@@ -144,6 +146,7 @@ def load_pretrained(
             experts_precision=experts_precision,
             replay_min_prob_ratio=replay_min_prob_ratio,
             num_mtp_heads=num_mtp_heads,
+            numerics=numerics,
         )
     model.to_empty(device="cpu")
     state = from_hf(read_safetensors(model_dir), arch)

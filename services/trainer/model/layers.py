@@ -4,32 +4,45 @@ Tokens of several sequences travel as one flat stream ``[T, ...]`` with ``cu_seq
 (the cumulative sequence boundaries, ``[0, len0, len0 + len1, ...]``) and per-token
 ``position_ids`` that restart at 0 for each sequence, as varlen attention kernels take
 them. Parameters are float32 master weights, cast to the compute dtype of the
-activations at each use (what FSDP2's mixed precision does), and every operation
-follows the order and dtypes of transformers' Qwen3-MoE so bf16 results agree with it
-and with vLLM to bf16 resolution.
+activations at each use (what FSDP2's mixed precision does).
+
+Two orders of rounding (``Numerics``): ``"eager"`` follows the order and dtypes of
+transformers' Qwen3-MoE, so bf16 results are bit-identical to it; ``"fused"`` rounds
+where an inference engine's fused kernels do (vLLM's CPU kernels, measured bit for bit
+in docs/trainer.md): each fused operation computes in float32 and rounds its output
+once.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+Numerics = Literal["eager", "fused"]
+"""Where bf16 activations round: after every operation as transformers' eager forward does
+(``"eager"``), or once per fused kernel as inference engines do (``"fused"``)."""
+
 
 class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``; the normalization in float32, the scale in the input dtype."""
+    """``weight * x / rms(x)``; the normalization in float32, the scale in the output dtype."""
 
     def __init__(self, width: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., width]`` -> same shape and dtype."""
-        dtype = x.dtype
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [..., width]`` -> same shape, in ``dtype`` (default: ``x``'s).
+
+        A float32 ``x`` with a bf16 ``dtype`` is a fused add-and-normalize: the sum of the
+        residual and a branch, normalized before it is rounded.
+        """
+        dtype = dtype or x.dtype
         hidden = x.float()
         hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight.to(dtype) * hidden.to(dtype)
@@ -58,8 +71,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x [T, heads, head_dim]`` by the tables of its tokens."""
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, numerics: Numerics = "eager"
+) -> torch.Tensor:
+    """Rotates ``x [T, heads, head_dim]`` by the tables of its tokens.
+
+    ``"fused"`` computes the rotation in float32 from the same (compute-dtype) tables and
+    rounds once, as a fused RoPE kernel does; ``"eager"`` rounds each product and the sum.
+    """
+    if numerics == "fused":
+        rotated = (
+            x.float() * cos[:, None, :].float() + _rotate_half(x.float()) * sin[:, None, :].float()
+        )
+        return rotated.to(x.dtype)
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
@@ -105,9 +129,11 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         eps: float,
+        numerics: Numerics = "eager",
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.numerics = numerics
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
@@ -128,8 +154,15 @@ class Attention(nn.Module):
         key = self.k_norm(linear(x, self.k_proj.weight).view(num_tokens, -1, self.head_dim))
         value = linear(x, self.v_proj.weight).view(num_tokens, -1, self.head_dim)
         cos, sin = rope
-        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
-        attended = self.core(query, key, value, cu_seqlens)
+        query = apply_rope(query, cos, sin, self.numerics)
+        key = apply_rope(key, cos, sin, self.numerics)
+        if self.numerics == "fused":
+            # A fused attention kernel keeps the scores, the probabilities and the output
+            # accumulator in float32 and rounds the output once.
+            attended = self.core(query.float(), key.float(), value.float(), cu_seqlens)
+            attended = attended.to(query.dtype)
+        else:
+            attended = self.core(query, key, value, cu_seqlens)
         return linear(
             attended.reshape(num_tokens, self.num_heads * self.head_dim), self.o_proj.weight
         )

@@ -5,6 +5,13 @@ Module names mirror the HF checkpoint (``model.layers.0.self_attn.q_proj``,
 one to one except for the experts, which are one ``MoEExperts`` module per layer
 (fused ``gate_up [E, 2F, D]`` and ``down [E, D, F]``: a grouped GEMM, and the unit
 expert parallelism shards). ``services.trainer.model.hf_io`` does the mapping.
+
+``numerics = "fused"`` rounds where vLLM's CPU kernels do: the residual add and the norm
+after it are one float32 operation (the norm sees the unrounded sum; the residual stream
+keeps its bf16 rounding), RoPE rounds once, SwiGLU runs in float32 on the GEMM's float32
+sums, and the top-k expert outputs are weighted (by bf16-rounded gates) and summed in
+float32 before one rounding. Between layers the stream is then the float32 sum of the
+residual and the MoE output, which the next layer rounds into its residual.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from torch import nn
 
 from services.dtypes import resolve_dtype
 from services.trainer.model.architecture import Architecture
-from services.trainer.model.layers import Attention, RMSNorm, linear, rope_tables
+from services.trainer.model.layers import Attention, Numerics, RMSNorm, linear, rope_tables
 from services.trainer.model.mtp import MTPHead, mtp_distillation_loss
 from services.trainer.model.routing import Router, RoutingDecision
 from services.trainer.precision import MoEExperts, PrecisionConfig
@@ -105,8 +112,11 @@ class ForwardOutput:
 class MoEBlock(nn.Module):
     """Router (``gate``) and experts; tokens sorted by expert through one grouped GEMM."""
 
-    def __init__(self, arch: Architecture, precision: PrecisionConfig) -> None:
+    def __init__(
+        self, arch: Architecture, precision: PrecisionConfig, numerics: Numerics = "eager"
+    ) -> None:
         super().__init__()
+        self.numerics = numerics
         self.gate = Router(
             arch.hidden_size, arch.num_experts, arch.top_k, normalize=arch.norm_topk_prob
         )
@@ -130,24 +140,40 @@ class MoEBlock(nn.Module):
         order = torch.argsort(flat, stable=True)
         source = order // top_k
         group_sizes = torch.bincount(flat, minlength=self.experts.num_experts)
+        gates = decision.weights.flatten()[order]
+        if self.numerics == "fused":
+            # float32 expert outputs, weighted by the gates as the router rounds them
+            # (its softmax runs in the compute dtype), summed in float32, rounded once.
+            out = self.experts(x[source], group_sizes, fused=True)
+            weighted = out * gates.to(x.dtype).float().unsqueeze(-1)
+            combined = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            return combined.index_add(0, source, weighted).to(x.dtype), decision
         out = self.experts(x[source], group_sizes)
-        weighted = out * decision.weights.flatten()[order].to(out.dtype).unsqueeze(-1)
+        weighted = out * gates.to(out.dtype).unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, source, weighted), decision
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MoE, each with a residual connection."""
+    """Pre-norm attention and MoE, each with a residual connection.
 
-    def __init__(self, arch: Architecture, precision: PrecisionConfig) -> None:
+    With ``numerics = "fused"`` the stream in and out is float32 (the unrounded sum of the
+    residual and the last branch); the compute dtype is that of the ``rope`` tables.
+    """
+
+    def __init__(
+        self, arch: Architecture, precision: PrecisionConfig, numerics: Numerics = "eager"
+    ) -> None:
         super().__init__()
+        self.numerics = numerics
         self.self_attn = Attention(
             arch.hidden_size,
             arch.num_attention_heads,
             arch.num_key_value_heads,
             arch.head_dim,
             arch.rms_norm_eps,
+            numerics,
         )
-        self.mlp = MoEBlock(arch, precision)
+        self.mlp = MoEBlock(arch, precision, numerics)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -161,20 +187,47 @@ class DecoderLayer(nn.Module):
         min_prob_ratio: float,
     ) -> tuple[torch.Tensor, RoutingDecision]:
         """``hidden [T, D]`` -> (``[T, D]``, this layer's routing)."""
+        if self.numerics == "fused":
+            return self._forward_fused(
+                hidden, rope, cu_seqlens, replay, replay_mask, min_prob_ratio
+            )
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, cu_seqlens)
         moe_out, decision = self.mlp(
             self.post_attention_layernorm(hidden), replay, replay_mask, min_prob_ratio
         )
         return hidden + moe_out, decision
 
+    def _forward_fused(
+        self,
+        stream: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cu_seqlens: Sequence[int],
+        replay: torch.Tensor | None,
+        replay_mask: torch.Tensor | None,
+        min_prob_ratio: float,
+    ) -> tuple[torch.Tensor, RoutingDecision]:
+        dtype = rope[0].dtype
+        residual = stream.to(dtype)
+        attended = self.self_attn(self.input_layernorm(stream, dtype), rope, cu_seqlens)
+        stream = residual.float() + attended.float()
+        residual = stream.to(dtype)
+        moe_out, decision = self.mlp(
+            self.post_attention_layernorm(stream, dtype), replay, replay_mask, min_prob_ratio
+        )
+        return residual.float() + moe_out.float(), decision
+
 
 class Backbone(nn.Module):
     """Embeddings, decoder layers and the final norm (``model.*`` in the HF layout)."""
 
-    def __init__(self, arch: Architecture, precision: PrecisionConfig) -> None:
+    def __init__(
+        self, arch: Architecture, precision: PrecisionConfig, numerics: Numerics = "eager"
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, precision) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, precision, numerics) for _ in range(arch.num_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
@@ -184,6 +237,8 @@ class Qwen3MoE(nn.Module):
     ``dtype`` is the compute dtype of activations; parameters stay float32 (the
     optimizer's master copy) and are cast per use. ``replay_min_prob_ratio`` is the
     plausibility filter's fraction of the router's k-th largest probability.
+    ``numerics`` picks the rounding order (``services.trainer.model.layers.Numerics``):
+    transformers' (``"eager"``) or an inference engine's fused kernels (``"fused"``).
     """
 
     def __init__(
@@ -194,13 +249,20 @@ class Qwen3MoE(nn.Module):
         experts_precision: PrecisionConfig | None = None,
         replay_min_prob_ratio: float = 0.1,
         num_mtp_heads: int = 0,
+        numerics: Numerics = "eager",
     ) -> None:
         super().__init__()
         self.arch = arch
         self.dtype = dtype
         self.replay_min_prob_ratio = replay_min_prob_ratio
+        self.numerics = numerics
         precision = experts_precision or resolve_experts_precision("auto", dtype)
-        self.model = Backbone(arch, precision)
+        if numerics == "fused" and precision.precision not in ("bf16", "fp32"):
+            raise ValueError(
+                f"numerics 'fused' needs the bf16 or fp32 expert recipe, not "
+                f"{precision.precision!r}"
+            )
+        self.model = Backbone(arch, precision, numerics)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPHead(arch) for _ in range(num_mtp_heads))
 
@@ -233,7 +295,7 @@ class Qwen3MoE(nn.Module):
             replaced.append(decision.num_replaced)
             num_replayed = decision.num_replayed
         return ForwardOutput(
-            self.model.norm(hidden), torch.stack(chosen, dim=1), replaced, num_replayed
+            self.model.norm(hidden, self.dtype), torch.stack(chosen, dim=1), replaced, num_replayed
         )
 
     def mtp_loss(

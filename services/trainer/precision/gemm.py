@@ -2,7 +2,10 @@
 
 Tokens arrive sorted by expert (``group_sizes[e]`` consecutive rows each). The recipes:
 
-  * ``"bf16"``: bf16 GEMMs, ordinary autograd (``"fp32"``: the same in float32).
+  * ``"bf16"``: bf16 GEMMs, ordinary autograd (``"fp32"``: the same in float32). With
+    ``float32_output`` the bf16 operands' products are summed and returned in float32,
+    unrounded, as a fused kernel's accumulator is (computed as a float32 GEMM of the
+    bf16-rounded operands: products of bf16 numbers are exact in float32).
   * ``"nvfp4_fwd_mxfp8_bwd"`` (the report's asymmetric recipe):
       forward  ``y  = Q4(x) @ Q4(W).T``                    reduction over K
       dgrad    ``dx = Q8(dy) @ Q8(W.T).T``                  reduction over N
@@ -111,16 +114,23 @@ class _NVFP4ForwardMXFP8Backward(torch.autograd.Function):
 
 
 def _plain_grouped_gemm(
-    x: torch.Tensor, weight: torch.Tensor, bounds: Bounds, dtype: torch.dtype
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bounds: Bounds,
+    dtype: torch.dtype,
+    accumulate: torch.dtype | None = None,
 ) -> torch.Tensor:
+    """Operands rounded to ``dtype``; the GEMM in ``accumulate`` (default ``dtype``)."""
+    accumulate = accumulate or dtype
     # ``split`` and ``unbind``, not a slice per expert: a slice's backward zero-fills a
     # tensor the size of the whole input (or of every expert's weights) for each expert.
     sizes = [end - start for start, end in bounds]
     outputs = [
-        rows.to(dtype) @ expert_weight.to(dtype).T
+        rows.to(dtype).to(accumulate) @ expert_weight.to(dtype).to(accumulate).T
         for rows, expert_weight in zip(x.split(sizes), weight.unbind(0), strict=True)
     ]
-    return torch.cat(outputs).to(x.dtype)
+    out = torch.cat(outputs)
+    return out if accumulate != dtype else out.to(x.dtype)
 
 
 def grouped_gemm(
@@ -129,10 +139,13 @@ def grouped_gemm(
     group_sizes: Sequence[int] | torch.Tensor,
     config: PrecisionConfig | None = None,
     backend: KernelBackend | None = None,
+    *,
+    float32_output: bool = False,
 ) -> torch.Tensor:
     """``x [T, K]`` (tokens sorted by expert) times ``weight [E, N, K]`` per group -> ``[T, N]``.
 
     ``backend`` defaults to the one ``config.backend`` selects for ``x``'s device.
+    ``float32_output`` (recipe ``"bf16"`` only) returns the unrounded float32 sums.
     """
     config = config or PrecisionConfig()
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
@@ -141,8 +154,13 @@ def grouped_gemm(
             f"and weight {tuple(weight.shape)}"
         )
     bounds = group_bounds(group_sizes, x.shape[0], weight.shape[0])
+    if float32_output and config.precision == "fp32":
+        return _plain_grouped_gemm(x, weight, bounds, torch.float32)
+    if float32_output and config.precision != "bf16":
+        raise ValueError(f"float32_output needs the bf16 recipe, not {config.precision!r}")
     if config.precision == "bf16":
-        return _plain_grouped_gemm(x, weight, bounds, torch.bfloat16)
+        accumulate = torch.float32 if float32_output else None
+        return _plain_grouped_gemm(x, weight, bounds, torch.bfloat16, accumulate)
     if config.precision == "fp32":
         return _plain_grouped_gemm(x, weight, bounds, torch.float32)
     num_out, num_in = weight.shape[1], weight.shape[2]

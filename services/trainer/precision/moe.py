@@ -64,12 +64,45 @@ class MoEExperts(nn.Module):
         )
 
     def forward(
-        self, tokens_sorted: torch.Tensor, group_sizes: torch.Tensor | list[int]
+        self,
+        tokens_sorted: torch.Tensor,
+        group_sizes: torch.Tensor | list[int],
+        *,
+        fused: bool = False,
     ) -> torch.Tensor:
-        """``tokens_sorted [T, d_model]`` grouped by expert (``group_sizes [E]``) -> same shape."""
-        hidden = grouped_gemm(tokens_sorted, self.gate_up, group_sizes, self.config)
-        gate, up = hidden.split(self.d_ff, dim=-1)
-        return grouped_gemm(F.silu(gate) * up, self.down, group_sizes, self.config)
+        """``tokens_sorted [T, d_model]`` grouped by expert (``group_sizes [E]``) -> same shape.
+
+        ``fused``: see ``swiglu_experts``.
+        """
+        return swiglu_experts(
+            tokens_sorted, self.gate_up, self.down, group_sizes, self.config, fused=fused
+        )
+
+
+def swiglu_experts(
+    tokens_sorted: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    group_sizes: torch.Tensor | list[int],
+    config: PrecisionConfig,
+    *,
+    fused: bool = False,
+) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` per expert group, in ``tokens_sorted``'s dtype.
+
+    ``fused`` computes as a fused MoE kernel does (bf16 recipe): SwiGLU in float32 on the
+    gate/up GEMM's float32 sums, rounded once into the down GEMM, whose float32 output is
+    returned unrounded for the router-weighted combine.
+    """
+    d_ff = down.shape[-1]
+    if fused:
+        hidden = grouped_gemm(tokens_sorted, gate_up, group_sizes, config, float32_output=True)
+        gate, up = hidden.split(d_ff, dim=-1)
+        activated = (F.silu(gate) * up).to(tokens_sorted.dtype)
+        return grouped_gemm(activated, down, group_sizes, config, float32_output=True)
+    hidden = grouped_gemm(tokens_sorted, gate_up, group_sizes, config)
+    gate, up = hidden.split(d_ff, dim=-1)
+    return grouped_gemm(F.silu(gate) * up, down, group_sizes, config)
 
 
 class TopKRouter(nn.Module):
