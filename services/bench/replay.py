@@ -5,7 +5,10 @@ routed-expert capture on; it samples completions of code prompts and returns, pe
 generated token, its logprob and, per input token and MoE layer, the experts it was
 routed to. The trainer's model (bf16, the same checkpoint) then recomputes the
 logprobs of the generated tokens twice, in the same run: routing with its own router
-(the baseline) and replaying inference's routes. Figures:
+(the baseline) and replaying inference's routes; and that in both of the trainer's
+rounding orders (``model.numerics``): the default ``"eager"`` (transformers' order) gives
+the headline figures; ``"fused"``, which rounds where vLLM's CPU kernels do, the same
+figures with the suffix ``_fused``. Figures:
 
 * ``mismatch_without_replay``, ``mismatch_with_replay``: mean |trainer logp - vLLM logp|
   over generated tokens;
@@ -49,6 +52,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.bench import BenchResult
 from services.launcher.processes import ManagedProcess
+from services.trainer.model.layers import Numerics
 from services.wire.client import make_channel
 from services.wire.ports import free_ports
 
@@ -165,11 +169,13 @@ def collect(quick: bool, workdir: Path) -> tuple[Path, list[dict[str, Any]]]:
     return model_dir, samples
 
 
-def measure(model_dir: Path, samples: list[dict[str, Any]]) -> dict[str, float]:
+def measure(
+    model_dir: Path, samples: list[dict[str, Any]], numerics: Numerics = "eager"
+) -> dict[str, float]:
     """The trainer's bf16 logprobs of the sampled tokens, with and without replay."""
     from services.trainer.model import PackedInputs, load_pretrained, token_logprobs
 
-    model = load_pretrained(model_dir, dtype=torch.bfloat16)
+    model = load_pretrained(model_dir, dtype=torch.bfloat16, numerics=numerics)
     exact = load_pretrained(model_dir, dtype=torch.float32)
     arch = model.arch
     sequences = [s["prompt"] + s["tokens"] for s in samples]
@@ -221,10 +227,23 @@ def measure(model_dir: Path, samples: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def result(figures: dict[str, float], quick: bool) -> BenchResult:
-    """The benchmark's answer for measured ``figures`` (adds the ratio)."""
+def _with_ratio(figures: dict[str, float]) -> dict[str, float]:
     ratio = figures["mismatch_without_replay"] / max(figures["mismatch_with_replay"], 1e-12)
-    figures = {**figures, "mismatch_ratio": ratio}
+    return {**figures, "mismatch_ratio": ratio}
+
+
+def result(
+    figures: dict[str, float], quick: bool, fused: dict[str, float] | None = None
+) -> BenchResult:
+    """The answer for ``figures`` (eager numerics) and ``fused``'s, suffixed ``_fused``."""
+    figures = _with_ratio(figures)
+    ratio = figures["mismatch_ratio"]
+    if fused is not None:
+        figures |= {
+            f"{name}_fused": value
+            for name, value in _with_ratio(fused).items()
+            if name not in ("generated_tokens", "mismatch_fp32_with_replay")
+        }
     return BenchResult(
         figures=figures,
         baseline={"mismatch_without_replay": figures["mismatch_without_replay"]},
@@ -233,6 +252,7 @@ def result(figures: dict[str, float], quick: bool) -> BenchResult:
         details={
             "model": os.environ.get("ETUDE_BENCH_REPLAY_MODEL_DIR", "factory tiny (seed 0)"),
             "mode": "quick" if quick else "full",
+            "numerics": "eager; figures suffixed _fused: fused",
         },
     )
 
@@ -251,4 +271,6 @@ def run(quick: bool) -> BenchResult:
                 target=f"mismatch_ratio >= {TARGET_RATIO:g}",
                 details={"blocked": f"no routed experts from inference: {detail}"},
             )
-        return result(measure(model_dir, samples), quick)
+        return result(
+            measure(model_dir, samples, "eager"), quick, measure(model_dir, samples, "fused")
+        )
