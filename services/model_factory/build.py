@@ -8,6 +8,7 @@ records the preset, the seed and the special-token ids.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 import time
@@ -65,8 +66,20 @@ def _save_tokenizer(tokenizer: Any, preset: ModelPreset, out: Path) -> None:
     fast.save_pretrained(out)
 
 
+def _quiet_cuda_only_extensions(torch: Any) -> None:
+    """On a CPU build of torch, torchao (which transformers imports for its quantizers)
+    warns that its CUDA kernels fail to load, and torch warns about torchao's enums: at
+    the top of every first `make run`, looking like a broken install. Neither can matter
+    without CUDA; on a CUDA build both keep their say."""
+    if torch.version.cuda is None:
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+
 def _save_weights(preset: ModelPreset, seed: int, out: Path) -> dict[str, int]:
     import torch
+
+    _quiet_cuda_only_extensions(torch)
     from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     ids = special_token_ids()
