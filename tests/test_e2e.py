@@ -109,8 +109,20 @@ def _service_pid(config: Path, service: str) -> int | None:
         capture_output=True,
         text=True,
     )
-    pids = [int(p) for p in found.stdout.split()]
-    return min(pids) if pids else None
+    pids = {int(p) for p in found.stdout.split()}
+    # The service's own children (forked workers, sandboxes in their own session) carry
+    # its command line too, and once PIDs wrap a child's can be the smallest: the service
+    # is the match whose parent is not a match.
+    roots = [pid for pid in pids if _parent(pid) not in pids]
+    return min(roots) if roots else None
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def _kill_group(config: Path, service: str) -> int:
