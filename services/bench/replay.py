@@ -41,6 +41,7 @@ import secrets
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,14 +171,14 @@ def collect(quick: bool, workdir: Path) -> tuple[Path, list[dict[str, Any]]]:
 
 
 def measure(
-    model_dir: Path, samples: list[dict[str, Any]], numerics: Numerics = "eager"
-) -> dict[str, float]:
-    """The trainer's bf16 logprobs of the sampled tokens, with and without replay."""
-    from services.trainer.model import PackedInputs, load_pretrained, token_logprobs
+    model_dir: Path, samples: list[dict[str, Any]], orders: Sequence[Numerics] = ("eager",)
+) -> dict[str, dict[str, float]]:
+    """The trainer's bf16 logprobs of the sampled tokens, with and without replay, in each
+    rounding order of ``orders``: their figures by order. The float32 reference forward,
+    which every order's noise floor is measured against, runs once."""
+    from services.trainer.model import Architecture, PackedInputs, load_pretrained, token_logprobs
 
-    model = load_pretrained(model_dir, dtype=torch.bfloat16, numerics=numerics)
-    exact = load_pretrained(model_dir, dtype=torch.float32)
-    arch = model.arch
+    arch = Architecture.from_model_dir(model_dir)
     sequences = [s["prompt"] + s["tokens"] for s in samples]
     for sample, sequence in zip(samples, sequences, strict=True):
         if sample["routes"].shape != (len(sequence) - 1, arch.num_layers, arch.top_k):
@@ -200,31 +201,35 @@ def measure(
     )
     targets = torch.tensor([t for s in samples for t in s["tokens"]])
     reference = torch.tensor([lp for s in samples for lp in s["logprobs"]])
+    inference_routes = torch.cat([s["routes"] for s in samples]).sort(-1).values
+    exact = load_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
-        own = model(free)
-        own_logprobs, _ = token_logprobs(model, own.hidden[rows], targets)
-        with_replay = model(replayed)
-        replay_logprobs, _ = token_logprobs(model, with_replay.hidden[rows], targets)
         exact_logprobs, _ = token_logprobs(exact, exact(replayed).hidden[rows], targets)
-    inference_routes = torch.cat([s["routes"] for s in samples])
-    agreement = (
-        (own.experts.sort(-1).values == inference_routes.sort(-1).values).all(-1).float().mean()
-    )
-    choices = with_replay.num_replayed * arch.num_layers * arch.top_k
-    without, with_ = (own_logprobs - reference).abs(), (replay_logprobs - reference).abs()
-    return {
-        "mismatch_without_replay": float(without.mean()),
-        "mismatch_with_replay": float(with_.mean()),
-        "mismatch_p99_without_replay": float(without.quantile(0.99)),
-        "mismatch_p99_with_replay": float(with_.quantile(0.99)),
-        "mismatch_max_without_replay": float(without.max()),
-        "mismatch_max_with_replay": float(with_.max()),
-        "replacement_rate": sum(with_replay.num_replaced) / max(choices, 1),
-        "route_agreement_without_replay": float(agreement),
-        "bf16_noise_floor": float((replay_logprobs - exact_logprobs).abs().mean()),
-        "mismatch_fp32_with_replay": float((exact_logprobs - reference).abs().mean()),
-        "generated_tokens": float(targets.numel()),
-    }
+    figures: dict[str, dict[str, float]] = {}
+    for numerics in orders:
+        model = load_pretrained(model_dir, dtype=torch.bfloat16, numerics=numerics)
+        with torch.no_grad():
+            own = model(free)
+            own_logprobs, _ = token_logprobs(model, own.hidden[rows], targets)
+            with_replay = model(replayed)
+            replay_logprobs, _ = token_logprobs(model, with_replay.hidden[rows], targets)
+        agreement = (own.experts.sort(-1).values == inference_routes).all(-1).float().mean()
+        choices = with_replay.num_replayed * arch.num_layers * arch.top_k
+        without, with_ = (own_logprobs - reference).abs(), (replay_logprobs - reference).abs()
+        figures[numerics] = {
+            "mismatch_without_replay": float(without.mean()),
+            "mismatch_with_replay": float(with_.mean()),
+            "mismatch_p99_without_replay": float(without.quantile(0.99)),
+            "mismatch_p99_with_replay": float(with_.quantile(0.99)),
+            "mismatch_max_without_replay": float(without.max()),
+            "mismatch_max_with_replay": float(with_.max()),
+            "replacement_rate": sum(with_replay.num_replaced) / max(choices, 1),
+            "route_agreement_without_replay": float(agreement),
+            "bf16_noise_floor": float((replay_logprobs - exact_logprobs).abs().mean()),
+            "mismatch_fp32_with_replay": float((exact_logprobs - reference).abs().mean()),
+            "generated_tokens": float(targets.numel()),
+        }
+    return figures
 
 
 def _with_ratio(figures: dict[str, float]) -> dict[str, float]:
@@ -271,6 +276,5 @@ def run(quick: bool) -> BenchResult:
                 target=f"mismatch_ratio >= {TARGET_RATIO:g}",
                 details={"blocked": f"no routed experts from inference: {detail}"},
             )
-        return result(
-            measure(model_dir, samples, "eager"), quick, measure(model_dir, samples, "fused")
-        )
+        figures = measure(model_dir, samples, ("eager", "fused"))
+        return result(figures["eager"], quick, figures["fused"])
