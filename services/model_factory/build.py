@@ -66,11 +66,13 @@ def _save_tokenizer(tokenizer: Any, preset: ModelPreset, out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def _quiet_cuda_only_extensions(torch: Any) -> None:
+def _quiet_cuda_only_extensions() -> None:
     """On a CPU build of torch, torchao (which transformers imports for its quantizers)
     warns that its CUDA kernels fail to load, and torch warns about torchao's enums: at
     the top of every first `make run`, looking like a broken install. Neither can matter
     without CUDA; on a CUDA build both keep their say."""
+    import torch
+
     if torch.version.cuda is None:
         logging.getLogger("torchao").setLevel(logging.ERROR)
         logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
@@ -79,7 +81,7 @@ def _quiet_cuda_only_extensions(torch: Any) -> None:
 def _save_weights(preset: ModelPreset, seed: int, out: Path) -> dict[str, int]:
     import torch
 
-    _quiet_cuda_only_extensions(torch)
+    _quiet_cuda_only_extensions()
     from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     ids = special_token_ids()

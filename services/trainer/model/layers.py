@@ -80,9 +80,8 @@ def apply_rope(
     rounds once, as a fused RoPE kernel does; ``"eager"`` rounds each product and the sum.
     """
     if numerics == "fused":
-        rotated = (
-            x.float() * cos[:, None, :].float() + _rotate_half(x.float()) * sin[:, None, :].float()
-        )
+        wide = x.float()
+        rotated = wide * cos[:, None, :].float() + _rotate_half(wide) * sin[:, None, :].float()
         return rotated.to(x.dtype)
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 

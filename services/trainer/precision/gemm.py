@@ -145,7 +145,7 @@ def grouped_gemm(
     """``x [T, K]`` (tokens sorted by expert) times ``weight [E, N, K]`` per group -> ``[T, N]``.
 
     ``backend`` defaults to the one ``config.backend`` selects for ``x``'s device.
-    ``float32_output`` (recipe ``"bf16"`` only) returns the unrounded float32 sums.
+    ``float32_output`` (recipes ``"bf16"`` and ``"fp32"``) returns the unrounded float32 sums.
     """
     config = config or PrecisionConfig()
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
@@ -154,10 +154,8 @@ def grouped_gemm(
             f"and weight {tuple(weight.shape)}"
         )
     bounds = group_bounds(group_sizes, x.shape[0], weight.shape[0])
-    if float32_output and config.precision == "fp32":
-        return _plain_grouped_gemm(x, weight, bounds, torch.float32)
-    if float32_output and config.precision != "bf16":
-        raise ValueError(f"float32_output needs the bf16 recipe, not {config.precision!r}")
+    if float32_output and config.precision not in ("bf16", "fp32"):
+        raise ValueError(f"float32_output needs the bf16 or fp32 recipe, not {config.precision!r}")
     if config.precision == "bf16":
         accumulate = torch.float32 if float32_output else None
         return _plain_grouped_gemm(x, weight, bounds, torch.bfloat16, accumulate)
