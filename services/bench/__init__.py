@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "grpc": "services.bench.grpc_overhead:run",
     "inference": "services.bench.inference:run",
     "packing": "services.bench.packing:run",
+    "prefix-sharing": "services.bench.prefix_sharing:run",
     "quant": "services.bench.quant:run",
     "reconciler": "services.bench.reconciler:run",
     "replay": "services.bench.replay:run",

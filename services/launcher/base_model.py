@@ -181,7 +181,8 @@ def _train_stage(
             if not examples:  # a finite source restarts: several epochs of SFT data
                 stream = ExampleStream(open_source(job.data, source_dir), job.data.tokens_per_step)
                 examples = stream.next_batch()
-            metrics = learner.sft_step([to_microbatch(examples)], step)
+            microbatch = to_microbatch(examples, share_prefixes=job.shares_prefixes)
+            metrics = learner.sft_step([microbatch], step)
             losses.append(metrics["loss"])
             progress.update(bar, advance=1, loss=f"{metrics['loss']:.3f}")
     save_pretrained(learner.model, out, source_dir=source_dir, policy_version=0)

@@ -14,7 +14,9 @@ metrics, which describe what the policy sampled, not what was trained.
 Sequences (one per segment) are packed into a flat token stream and cut into
 microbatches of at most ``microbatch_tokens`` tokens (a sequence is never split); the
 loss is normalized by one constant for the whole step, so accumulating microbatch
-gradients gives exactly the gradient of the full batch.
+gradients gives exactly the gradient of the full batch. With ``share_prefixes`` a
+microbatch is packed as a prefix tree: the prompt its rollouts begin with (the system
+prompt, a group's task) is computed once (``services.trainer.model.prefix_tree``).
 """
 
 from __future__ import annotations
@@ -73,12 +75,20 @@ class Microbatch:
     # [T] bool: tokens added only to align sequences for context parallelism or to give
     # an idle rank something to run (never trained); None when there are none.
     padding: torch.Tensor | None = None
+    # Tokens of the packed sequences before their shared prefixes were merged (padding
+    # left out); None when the stream holds every sequence whole (it equals num_tokens).
+    num_sequence_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
-        """Tokens of the data in the stream (padding left out)."""
+        """Tokens of the data in the stream (padding left out): what the forward computes."""
         total = int(self.targets.shape[0])
         return total if self.padding is None else total - int(self.padding.sum())
+
+    @property
+    def num_data_tokens(self) -> int:
+        """Tokens of the sequences, each counted whole (shared prefixes once per sequence)."""
+        return self.num_tokens if self.num_sequence_tokens is None else self.num_sequence_tokens
 
     def to(self, device: torch.device) -> Microbatch:
         """This microbatch on ``device`` (itself when it is there already)."""
@@ -96,6 +106,7 @@ class Microbatch:
                 inputs.cu_seqlens,
                 move(inputs.replay_experts),
                 move(inputs.replay_mask),
+                inputs.ancestors,
             ),
             targets=self.targets.to(device),
             trained=self.trained.to(device),
@@ -103,6 +114,7 @@ class Microbatch:
             advantages=self.advantages.to(device),
             weights=self.weights.to(device),
             padding=move(self.padding),
+            num_sequence_tokens=self.num_sequence_tokens,
         )
 
 
@@ -162,31 +174,64 @@ TrainItem = tuple[SegmentTokens, float, float]
 """One packed sequence to train on: its tokens, its rollout's advantage, its group's weight."""
 
 
-def pack_microbatch(items: Sequence[TrainItem], num_layers: int, top_k: int) -> Microbatch:
-    """Packs ``items`` (in order) into one microbatch."""
+def pack_microbatch(
+    items: Sequence[TrainItem],
+    num_layers: int,
+    top_k: int,
+    *,
+    share_prefixes: bool = False,
+    padding: Sequence[Sequence[bool]] | None = None,
+) -> Microbatch:
+    """Packs ``items`` (in order) into one microbatch.
+
+    With ``share_prefixes`` the sequences are packed as a prefix tree
+    (``services.trainer.model.prefix_tree``): the system prompt and a group's task are
+    computed once for every rollout that starts with them. ``padding[i]`` flags the
+    tokens of item ``i`` that are padding (``Microbatch.padding``).
+    """
     segments = [segment for segment, _, _ in items]
-    inputs = PackedInputs.pack(
-        [s.input_ids for s in segments],
-        [s.replay for s in segments],
-        num_layers=num_layers,
-        top_k=top_k,
-    )
+    replay = [s.replay for s in segments]
+    if share_prefixes:
+        inputs, source = PackedInputs.pack_shared(
+            [s.input_ids for s in segments],
+            [s.trained for s in segments],
+            replay,
+            num_layers=num_layers,
+            top_k=top_k,
+        )
+    else:
+        inputs = PackedInputs.pack(
+            [s.input_ids for s in segments], replay, num_layers=num_layers, top_k=top_k
+        )
+        source = None
+
+    def stream(values: torch.Tensor) -> torch.Tensor:
+        """Per-token ``values`` of the concatenated sequences, in stream order."""
+        return values if source is None else values[source]
 
     def per_token(values: list[float]) -> torch.Tensor:
         """One value per sequence, repeated over its tokens."""
         counts = torch.tensor([len(s.targets) for s in segments])
-        return torch.tensor(values, dtype=torch.float32).repeat_interleave(counts)
+        return stream(torch.tensor(values, dtype=torch.float32).repeat_interleave(counts))
 
-    return Microbatch(
+    flags = None
+    if padding is not None:
+        flags = torch.tensor([flag for item in padding for flag in item], dtype=torch.bool)
+    microbatch = Microbatch(
         inputs=inputs,
-        targets=torch.tensor([t for s in segments for t in s.targets], dtype=torch.long),
-        trained=torch.tensor([t for s in segments for t in s.trained], dtype=torch.bool),
-        behaviour_logprobs=torch.tensor(
-            [lp for s in segments for lp in s.behaviour_logprobs], dtype=torch.float32
+        targets=stream(torch.tensor([t for s in segments for t in s.targets], dtype=torch.long)),
+        trained=stream(torch.tensor([t for s in segments for t in s.trained], dtype=torch.bool)),
+        behaviour_logprobs=stream(
+            torch.tensor([lp for s in segments for lp in s.behaviour_logprobs], dtype=torch.float32)
         ),
         advantages=per_token([advantage for _, advantage, _ in items]),
         weights=per_token([weight for _, _, weight in items]),
+        padding=None if flags is None else stream(flags),
     )
+    if source is not None:
+        num_padding = 0 if flags is None else int(flags.sum())
+        microbatch.num_sequence_tokens = sum(len(s.targets) for s in segments) - num_padding
+    return microbatch
 
 
 @dataclass
@@ -280,8 +325,11 @@ def build_rl_batch(
     num_layers: int,
     top_k: int,
     skip_uniform_task_groups: bool = False,
+    share_prefixes: bool = False,
 ) -> RLBatch:
-    """Advantages per group, then the trainable segments packed in order into microbatches."""
+    """Advantages per group, then the trainable segments packed in order into microbatches
+    (a group's rollouts side by side, so that with ``share_prefixes`` they share their
+    prompt; ``microbatch_tokens`` counts every sequence whole)."""
     collected = collect_rl_items(groups, skip_uniform_task_groups=skip_uniform_task_groups)
     microbatches: list[Microbatch] = []
     current: list[TrainItem] = []
@@ -289,10 +337,14 @@ def build_rl_batch(
     for item in collected.items:
         length = len(item[0].input_ids)
         if current and size + length > microbatch_tokens:
-            microbatches.append(pack_microbatch(current, num_layers, top_k))
+            microbatches.append(
+                pack_microbatch(current, num_layers, top_k, share_prefixes=share_prefixes)
+            )
             current, size = [], 0
         current.append(item)
         size += length
     if current:
-        microbatches.append(pack_microbatch(current, num_layers, top_k))
+        microbatches.append(
+            pack_microbatch(current, num_layers, top_k, share_prefixes=share_prefixes)
+        )
     return collected.batch(microbatches)

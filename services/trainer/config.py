@@ -273,6 +273,19 @@ class JobConfig(StrictModel):
     )
     seed: int = Field(0, ge=0, description="Seed of the torch and Python RNGs.")
     num_threads: int = Field(0, ge=0, le=1024, description="torch threads; 0 keeps torch's choice.")
+    prefix_sharing: Literal["auto", "off"] = Field(
+        "auto",
+        description="'auto': sequences of a microbatch that begin alike (the system prompt, a "
+        "group's task) are packed as a prefix tree and their shared tokens computed once, "
+        "wherever each sequence is whole on one rank (dist.cp = 1) and no MTP head needs "
+        "the tokens after a shared one (model.num_mtp_heads = 0); the gradients are those "
+        "of packing each sequence alone. 'off': every sequence packed whole.",
+    )
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether this job packs prefix trees (``prefix_sharing`` where the layout allows)."""
+        return self.prefix_sharing == "auto" and self.dist.cp == 1 and self.model.num_mtp_heads == 0
 
     @model_validator(mode="after")
     def _data_for_phase(self) -> JobConfig:

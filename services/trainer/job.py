@@ -56,7 +56,7 @@ from services.trainer.learner import Learner
 from services.trainer.model import Architecture, resolve_experts_precision, save_pretrained
 from services.trainer.paths import checkpoint_root
 from services.trainer.publishing import PolicyPublisher
-from services.trainer.sft import ExampleStream, open_source, to_microbatch
+from services.trainer.sft import ExampleStream, example_items, open_source, to_microbatch
 
 if TYPE_CHECKING:
     from services.trainer.distributed.batching import RankPart
@@ -470,6 +470,7 @@ class TrainingJob:
             self.runtime.cp_index,
             num_layers=arch.num_layers,
             top_k=arch.top_k,
+            share_prefixes=self.job.shares_prefixes,
         )
 
     def _take_requests(self) -> list[str]:
@@ -510,6 +511,7 @@ class TrainingJob:
             num_layers=arch.num_layers,
             top_k=arch.top_k,
             skip_uniform_task_groups=skip,
+            share_prefixes=self.job.shares_prefixes,
         )
 
     async def _run_stream(self) -> None:
@@ -524,7 +526,9 @@ class TrainingJob:
                 log.info("the data ended after %d steps", self.step)
                 return
             step_metrics = await asyncio.to_thread(
-                self.learner.sft_step, [to_microbatch(examples)], self.step
+                self.learner.sft_step,
+                [to_microbatch(examples, share_prefixes=self.job.shares_prefixes)],
+                self.step,
             )
             computed = time.perf_counter() - started
             self.cursor = stream.cursor
@@ -537,7 +541,7 @@ class TrainingJob:
 
     async def _run_stream_distributed(self) -> None:
         """CPT/SFT on every rank: rank 0 reads the data and plans, every rank trains."""
-        from services.trainer.distributed.steps import StepMessage, example_items, scatter_plan
+        from services.trainer.distributed.steps import StepMessage, scatter_plan
 
         runtime, data = self.runtime, self.job.data
         assert runtime is not None and self.learner is not None and data is not None

@@ -129,7 +129,7 @@ class Learner:
         sums = dict.fromkeys(("ratio", "clipped", "k1", "entropy", "mismatch"), 0.0)
         ratio_max = 0.0
         replaced = [0] * layers
-        replayed = tokens = trained = 0
+        replayed = tokens = computed = trained = 0
         self.model.train()
         for local in batch.microbatches:
             microbatch = self._on_device(local)
@@ -178,7 +178,8 @@ class Learner:
                 ratio_max = max(ratio_max, float(terms.importance_ratio.max()))
             replaced = [a + b for a, b in zip(replaced, output.num_replaced, strict=True)]
             replayed += output.num_replayed
-            tokens += microbatch.num_tokens
+            tokens += microbatch.num_data_tokens
+            computed += microbatch.num_tokens
             trained += int(rows.numel())
         if batch.num_rollouts:
             grad_norm = self._step()
@@ -190,12 +191,12 @@ class Learner:
             grad_norm = 0.0
         names = list(sums)
         totals = self._reduce(
-            [pg, kl, mtp_total, *sums.values(), replayed, tokens, trained, *replaced]
+            [pg, kl, mtp_total, *sums.values(), replayed, tokens, computed, trained, *replaced]
         )
         pg, kl, mtp_total = totals[:3]
         sums = dict(zip(names, totals[3:8], strict=True))
-        replayed, tokens, trained = (int(value) for value in totals[8:11])
-        replaced = [int(value) for value in totals[11:]]
+        replayed, tokens, computed, trained = (int(value) for value in totals[8:12])
+        replaced = [int(value) for value in totals[12:]]
         ratio_max = self._reduce([ratio_max], "max")[0]
         choices = max(replayed * self.model.arch.top_k, 1)
 
@@ -214,8 +215,9 @@ class Learner:
             "entropy": mean("entropy"),
             "logprob_mismatch": mean("mismatch"),
             "replay_replacement_rate": sum(replaced) / (choices * layers),
-            "replay_token_fraction": replayed / max(tokens, 1),
+            "replay_token_fraction": replayed / max(computed, 1),
             "tokens": float(tokens),
+            "tokens_computed": float(computed),
             "tokens_trained": float(trained),
             "grad_norm": grad_norm,
             "lr": lr,
@@ -235,7 +237,7 @@ class Learner:
         if num_trained == 0:
             raise ValueError("an SFT step needs at least one trained token")
         nll = mtp_total = 0.0
-        tokens = 0
+        tokens = computed = 0
         self.model.train()
         for local in microbatches:
             microbatch = self._on_device(local)
@@ -249,13 +251,17 @@ class Learner:
                 loss = loss + mtp_loss
                 mtp_total += float(mtp_loss.detach())
             loss.backward()
-            tokens += microbatch.num_tokens
+            tokens += microbatch.num_data_tokens
+            computed += microbatch.num_tokens
         grad_norm = self._step()
-        nll, mtp_total, total_tokens = self._reduce([nll, mtp_total, tokens])
+        nll, mtp_total, total_tokens, total_computed = self._reduce(
+            [nll, mtp_total, tokens, computed]
+        )
         return {
             "loss": nll,
             "loss_mtp": mtp_total,
             "tokens": total_tokens,
+            "tokens_computed": total_computed,
             "tokens_trained": float(num_trained),
             "grad_norm": grad_norm,
             "lr": lr,

@@ -20,11 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from services.trainer.batch import Microbatch
+from services.trainer.batch import Microbatch, TrainItem, pack_microbatch
 from services.trainer.config import DataConfig
-from services.trainer.model.transformer import PackedInputs
+from services.trainer.rollouts import SegmentTokens
 
 
 @dataclass
@@ -150,10 +148,26 @@ class ExampleStream:
             self.cursor += 1
 
 
-def to_microbatch(examples: list[Example]) -> Microbatch:
-    """Packs examples (inputs ``tokens[:-1]``, targets ``tokens[1:]``) into one microbatch."""
-    inputs = PackedInputs.pack([e.tokens[:-1] for e in examples])
-    targets = torch.tensor([t for e in examples for t in e.tokens[1:]], dtype=torch.long)
-    trained = torch.tensor([m for e in examples for m in e.trained[1:]], dtype=torch.bool)
-    zeros = torch.zeros(targets.shape[0])
-    return Microbatch(inputs, targets, trained, zeros, zeros, zeros)
+def to_microbatch(examples: list[Example], *, share_prefixes: bool = False) -> Microbatch:
+    """Packs examples (inputs ``tokens[:-1]``, targets ``tokens[1:]``) into one microbatch;
+    with ``share_prefixes`` as a prefix tree (the system prompt every SFT transcript starts
+    with is computed once)."""
+    return pack_microbatch(example_items(examples), 0, 0, share_prefixes=share_prefixes)
+
+
+def example_items(examples: list[Example]) -> list[TrainItem]:
+    """CPT/SFT examples as sequences to pack (inputs ``tokens[:-1]``, targets ``tokens[1:]``)."""
+    return [
+        (
+            SegmentTokens(
+                input_ids=example.tokens[:-1],
+                targets=example.tokens[1:],
+                trained=example.trained[1:],
+                behaviour_logprobs=[0.0] * (len(example.tokens) - 1),
+                replay=None,
+            ),
+            0.0,
+            0.0,
+        )
+        for example in examples
+    ]

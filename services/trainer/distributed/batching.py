@@ -75,23 +75,34 @@ def assign(
 
 
 def local_microbatches(
-    part: RankPart, layout: ParallelLayout, cp_index: int, *, num_layers: int, top_k: int
+    part: RankPart,
+    layout: ParallelLayout,
+    cp_index: int,
+    *,
+    num_layers: int,
+    top_k: int,
+    share_prefixes: bool = False,
 ) -> list[Microbatch]:
-    """This rank's microbatches of its replica's ``part`` (its chunks of each sequence)."""
+    """This rank's microbatches of its replica's ``part`` (its chunks of each sequence).
+
+    ``share_prefixes`` packs each microbatch as a prefix tree; it needs every sequence
+    whole on the rank (``cp = 1``).
+    """
+    if share_prefixes and layout.cp > 1:
+        raise ValueError(
+            f"prefix sharing needs each sequence whole on one rank, not cut over cp = {layout.cp}"
+        )
     microbatches = []
     for items in part:
         padded: list[TrainItem] = []
-        flags: list[torch.Tensor] = []
+        flags: list[list[bool]] = []
         for item in items or [idle_item(layout.cp)]:
             padded_item, extra = pad_item(item, layout.cp)
-            length = len(padded_item[0].input_ids)
-            flag = torch.zeros(length, dtype=torch.bool)
-            flag[length - extra :] = True
-            if not items:
-                flag[:] = True
+            real = len(padded_item[0].input_ids) - extra if items else 0
             padded.append(padded_item)
-            flags.append(flag)
-        microbatch = pack_microbatch(padded, num_layers, top_k)
-        microbatch.padding = torch.cat(flags)
+            flags.append([False] * real + [True] * (len(padded_item[0].input_ids) - real))
+        microbatch = pack_microbatch(
+            padded, num_layers, top_k, share_prefixes=share_prefixes, padding=flags
+        )
         microbatches.append(shard_microbatch(microbatch, cp_index, layout.cp))
     return microbatches

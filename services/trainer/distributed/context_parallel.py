@@ -77,6 +77,10 @@ def rank_attention_pairs(length: int, cp: int) -> list[int]:
 
 def shard_inputs(inputs: PackedInputs, cp_index: int, cp: int) -> PackedInputs:
     """The part of a packed stream rank ``cp_index`` of a cp group runs."""
+    if inputs.shares_prefixes:
+        raise ValueError(
+            f"context parallelism (cp = {cp}) cuts whole sequences, not a prefix-shared stream"
+        )
     index = local_token_index(inputs.cu_seqlens, cp_index, cp)
     cu_local = [start // cp for start in inputs.cu_seqlens]
     return PackedInputs(
@@ -157,8 +161,11 @@ class ContextParallelAttention:
         key: torch.Tensor,
         value: torch.Tensor,
         cu_seqlens: Sequence[int],
+        ancestors: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """``query [T, H, D]``, ``key``/``value [T, Hkv, D]`` (local) -> ``[T, H, D]``."""
+        if ancestors is not None and any(ancestors):
+            raise ValueError("context parallelism cuts whole sequences, not a prefix tree")
         num_local = query.shape[0]
         gathered = gather_from_group(torch.stack([key, value], dim=1), self.group, self.cp)
         outputs = []

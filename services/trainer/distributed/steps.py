@@ -17,8 +17,6 @@ from services.trainer.batch import RLItems, TrainItem
 from services.trainer.distributed.batching import RankPart, assign
 from services.trainer.distributed.packing import CostModel
 from services.trainer.distributed.runtime import Runtime
-from services.trainer.rollouts import SegmentTokens
-from services.trainer.sft import Example
 
 
 @dataclass
@@ -54,21 +52,3 @@ def scatter_plan(
 def stats_only(collected: RLItems) -> RLItems:
     """``collected`` without its sequences (they travel in the parts)."""
     return replace(collected, items=[])
-
-
-def example_items(examples: list[Example]) -> list[TrainItem]:
-    """CPT/SFT examples as sequences to pack (inputs ``tokens[:-1]``, targets ``tokens[1:]``)."""
-    return [
-        (
-            SegmentTokens(
-                input_ids=example.tokens[:-1],
-                targets=example.tokens[1:],
-                trained=example.trained[1:],
-                behaviour_logprobs=[0.0] * (len(example.tokens) - 1),
-                replay=None,
-            ),
-            0.0,
-            0.0,
-        )
-        for example in examples
-    ]

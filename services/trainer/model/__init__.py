@@ -4,6 +4,7 @@
 * ``layers``       — RMSNorm, RoPE and causal GQA attention over packed sequences.
 * ``routing``      — the softmax top-k router with router replay and its plausibility filter.
 * ``transformer``  — the decoder and causal LM (``Qwen3MoE``), ``PackedInputs``.
+* ``prefix_tree``  — packing sequences that begin alike as a tree, shared tokens once.
 * ``mtp``          — optional multi-token-prediction heads, trained by self-distillation.
 * ``hf_io``        — loading and saving the HF safetensors layout vLLM serves.
 """

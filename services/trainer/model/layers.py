@@ -86,30 +86,67 @@ def apply_rope(
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
-AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[int]], torch.Tensor]
-"""``(query [T, H, D], key [T, Hkv, D], value [T, Hkv, D], cu_seqlens) -> [T, H, D]``."""
+AttentionCore = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, Sequence[int], Sequence[Sequence[int]] | None],
+    torch.Tensor,
+]
+"""``(query [T, H, D], key [T, Hkv, D], value [T, Hkv, D], cu_seqlens, ancestors) -> [T, H, D]``;
+``ancestors`` is None for independent sequences, or per run of a prefix tree the runs
+above it (``services.trainer.model.prefix_tree``)."""
+
+
+def _run_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    num_prefix_keys: int,
+) -> torch.Tensor:
+    """``query [L, H, D]`` over ``key``/``value [P + L, Hkv, D]``: all ``P`` prefix keys, then
+    causally the run's own ``L``."""
+    length = query.shape[0]
+    mask = None
+    if num_prefix_keys:
+        mask = torch.ones(
+            length, num_prefix_keys + length, dtype=torch.bool, device=query.device
+        ).tril(num_prefix_keys)
+    attended = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],
+        key.transpose(0, 1)[None],
+        value.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        enable_gqa=True,
+    )
+    return attended[0].transpose(0, 1)
 
 
 def causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: Sequence[int]
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: Sequence[int],
+    ancestors: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
-    """Causal GQA attention within each packed sequence; no token sees another sequence."""
+    """Causal GQA attention within each packed sequence; no token sees another sequence.
+
+    With ``ancestors`` the spans of ``cu_seqlens`` are the runs of a prefix tree: a run
+    attends to every key of the runs above it, then causally to its own.
+    """
     lengths = [end - start for start, end in itertools.pairwise(cu_seqlens)]
-    outputs = []
     # One causal attention per sequence: linear in the number of sequences and exactly
     # the computation a varlen (cu_seqlens) kernel does on GPU. ``split``, not a slice per
     # sequence: a slice's backward writes its gradient into a zeroed tensor of the whole
     # stream, which made the backward quadratic in the number of sequences (40% of an
-    # SFT step of the small model); a split's backward is one concatenation.
-    for q, k, v in zip(query.split(lengths), key.split(lengths), value.split(lengths), strict=True):
-        attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            is_causal=True,
-            enable_gqa=True,
-        )
-        outputs.append(attended[0].transpose(0, 1))
+    # SFT step of the small model); a split's backward is one concatenation (and a run's
+    # keys gathered with ``cat`` likewise send their gradients back without a fill).
+    queries, keys, values = query.split(lengths), key.split(lengths), value.split(lengths)
+    outputs = []
+    for run, (q, k, v) in enumerate(zip(queries, keys, values, strict=True)):
+        above = ancestors[run] if ancestors is not None else ()
+        if above:
+            k = torch.cat([*(keys[a] for a in above), k])
+            v = torch.cat([*(values[a] for a in above), v])
+        outputs.append(_run_attention(q, k, v, k.shape[0] - q.shape[0]))
     return torch.cat(outputs)
 
 
@@ -146,8 +183,10 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         cu_seqlens: Sequence[int],
+        ancestors: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]``; no token attends across a sequence boundary."""
+        """``x [T, hidden]`` -> ``[T, hidden]``; no token attends across a sequence boundary
+        (with ``ancestors``, a run of a prefix tree attends to the runs above it too)."""
         num_tokens = x.shape[0]
         query = self.q_norm(linear(x, self.q_proj.weight).view(num_tokens, -1, self.head_dim))
         key = self.k_norm(linear(x, self.k_proj.weight).view(num_tokens, -1, self.head_dim))
@@ -158,10 +197,10 @@ class Attention(nn.Module):
         if self.numerics == "fused":
             # A fused attention kernel keeps the scores, the probabilities and the output
             # accumulator in float32 and rounds the output once.
-            attended = self.core(query.float(), key.float(), value.float(), cu_seqlens)
+            attended = self.core(query.float(), key.float(), value.float(), cu_seqlens, ancestors)
             attended = attended.to(query.dtype)
         else:
-            attended = self.core(query, key, value, cu_seqlens)
+            attended = self.core(query, key, value, cu_seqlens, ancestors)
         return linear(
             attended.reshape(num_tokens, self.num_heads * self.head_dim), self.o_proj.weight
         )

@@ -27,6 +27,7 @@ from services.dtypes import resolve_dtype
 from services.trainer.model.architecture import Architecture
 from services.trainer.model.layers import Attention, Numerics, RMSNorm, linear, rope_tables
 from services.trainer.model.mtp import MTPHead, mtp_distillation_loss
+from services.trainer.model.prefix_tree import build_prefix_tree
 from services.trainer.model.routing import Router, RoutingDecision
 from services.trainer.precision import MoEExperts, PrecisionConfig
 
@@ -53,9 +54,17 @@ class PackedInputs:
 
     input_ids: torch.Tensor  # [T] int64
     position_ids: torch.Tensor  # [T] int64, restarting at 0 in each sequence
-    cu_seqlens: list[int]  # [S + 1] sequence boundaries
+    cu_seqlens: list[int]  # [S + 1] sequence boundaries (runs of a prefix tree)
     replay_experts: torch.Tensor | None = None  # [T, layers, k] int64
     replay_mask: torch.Tensor | None = None  # [T] bool: tokens that have replay data
+    # A prefix-shared stream (``pack_shared``): per run, the runs above it; None when the
+    # sequences are independent.
+    ancestors: list[list[int]] | None = None
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """True when some run attends to runs above it (a prefix tree, not flat sequences)."""
+        return self.ancestors is not None and any(self.ancestors)
 
     @classmethod
     def pack(
@@ -97,6 +106,38 @@ class PackedInputs:
                 blocks.append(routes.long().clamp_min(0))
                 masks.append(recorded)
         return cls(input_ids, position_ids, cu, torch.cat(blocks), torch.cat(masks))
+
+    @classmethod
+    def pack_shared(
+        cls,
+        sequences: Sequence[Sequence[int]],
+        trained: Sequence[Sequence[bool]],
+        replay: Sequence[torch.Tensor | None] | None = None,
+        *,
+        num_layers: int = 0,
+        top_k: int = 0,
+    ) -> tuple[PackedInputs, torch.Tensor]:
+        """Packs token lists as a prefix tree (``services.trainer.model.prefix_tree``).
+
+        Returns the inputs and, per stream token, its index into the concatenated
+        sequences: gather any per-token data (targets, masks...) with it.
+        """
+        flat = cls.pack(sequences, replay, num_layers=num_layers, top_k=top_k)
+        tree = build_prefix_tree(sequences, trained, replay)
+        source = tree.source
+
+        def gather(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor[source]
+
+        inputs = cls(
+            flat.input_ids[source],
+            tree.position_ids,
+            tree.cu_runs,
+            gather(flat.replay_experts),
+            gather(flat.replay_mask),
+            tree.ancestors,
+        )
+        return inputs, source
 
 
 @dataclass
@@ -185,13 +226,14 @@ class DecoderLayer(nn.Module):
         replay: torch.Tensor | None,
         replay_mask: torch.Tensor | None,
         min_prob_ratio: float,
+        ancestors: Sequence[Sequence[int]] | None = None,
     ) -> tuple[torch.Tensor, RoutingDecision]:
         """``hidden [T, D]`` -> (``[T, D]``, this layer's routing)."""
         if self.numerics == "fused":
             return self._forward_fused(
-                hidden, rope, cu_seqlens, replay, replay_mask, min_prob_ratio
+                hidden, rope, cu_seqlens, replay, replay_mask, min_prob_ratio, ancestors
             )
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, cu_seqlens)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, cu_seqlens, ancestors)
         moe_out, decision = self.mlp(
             self.post_attention_layernorm(hidden), replay, replay_mask, min_prob_ratio
         )
@@ -205,10 +247,11 @@ class DecoderLayer(nn.Module):
         replay: torch.Tensor | None,
         replay_mask: torch.Tensor | None,
         min_prob_ratio: float,
+        ancestors: Sequence[Sequence[int]] | None,
     ) -> tuple[torch.Tensor, RoutingDecision]:
         dtype = rope[0].dtype
         residual = stream.to(dtype)
-        attended = self.self_attn(self.input_layernorm(stream, dtype), rope, cu_seqlens)
+        attended = self.self_attn(self.input_layernorm(stream, dtype), rope, cu_seqlens, ancestors)
         stream = residual.float() + attended.float()
         residual = stream.to(dtype)
         moe_out, decision = self.mlp(
@@ -290,6 +333,7 @@ class Qwen3MoE(nn.Module):
                 replay,
                 inputs.replay_mask,
                 self.replay_min_prob_ratio,
+                inputs.ancestors,
             )
             chosen.append(decision.experts)
             replaced.append(decision.num_replaced)
@@ -304,6 +348,12 @@ class Qwen3MoE(nn.Module):
         """Self-distillation loss of the MTP heads on this stream (see ``model.mtp``)."""
         if not len(self.mtp):
             raise ValueError("the model has no MTP heads (num_mtp_heads = 0)")
+        if inputs.shares_prefixes:
+            # A head at a shared token would need the next tokens of every branch below it.
+            raise ValueError(
+                "MTP heads need independently packed sequences, not a prefix-shared stream "
+                "(set rl.share_prefixes = false with num_mtp_heads > 0)"
+            )
         rope = rope_tables(
             inputs.position_ids, self.arch.head_dim, self.arch.rope_theta, self.dtype
         )
