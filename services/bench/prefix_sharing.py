@@ -155,42 +155,35 @@ def run(quick: bool) -> BenchResult:
             repeats,
         )
 
-    rl_speedup = timed["rl_whole"][0] / timed["rl_tree"][0]
-    sft_speedup = timed["sft_whole"][0] / timed["sft_tree"][0]
-    rl_tree = rl_batches[True].microbatches[0]
-    rl_data, rl_computed = rl_tree.num_data_tokens, rl_tree.num_tokens
-    sft_data, sft_computed = sft_batches[True].num_data_tokens, sft_batches[True].num_tokens
+    trees = {"rl": rl_batches[True].microbatches[0], "sft": sft_batches[True]}
+    speedup = {name: timed[f"{name}_whole"][0] / timed[f"{name}_tree"][0] for name in trees}
+
+    def described(name: str, count: dict[str, int]) -> dict[str, float]:
+        tree = trees[name]
+        return {
+            **count,
+            "tokens": tree.num_data_tokens,
+            "tokens_computed": tree.num_tokens,
+            "loss_whole": timed[f"{name}_whole"][1],
+            "loss_tree": timed[f"{name}_tree"][1],
+        }
+
     return BenchResult(
         figures={
-            "rl_step_speedup": round(rl_speedup, 3),
-            "sft_step_speedup": round(sft_speedup, 3),
-            "rl_computed_fraction": round(rl_computed / rl_data, 4),
-            "sft_computed_fraction": round(sft_computed / sft_data, 4),
-            "rl_step_seconds": round(timed["rl_tree"][0], 3),
-            "sft_step_seconds": round(timed["sft_tree"][0], 3),
+            **{f"{name}_step_speedup": round(value, 3) for name, value in speedup.items()},
+            **{
+                f"{name}_computed_fraction": round(tree.num_tokens / tree.num_data_tokens, 4)
+                for name, tree in trees.items()
+            },
+            **{f"{name}_step_seconds": round(timed[f"{name}_tree"][0], 3) for name in trees},
         },
-        baseline={
-            "rl_step_seconds": round(timed["rl_whole"][0], 3),
-            "sft_step_seconds": round(timed["sft_whole"][0], 3),
-        },
-        ok=rl_speedup >= TARGET_RL_SPEEDUP,
+        baseline={f"{name}_step_seconds": round(timed[f"{name}_whole"][0], 3) for name in trees},
+        ok=speedup["rl"] >= TARGET_RL_SPEEDUP,
         target=f"rl_step_speedup >= {TARGET_RL_SPEEDUP:g} ({NUM_GROUPS} groups x {GROUP_SIZE})",
         details={
             "model": f"small preset, fresh weights, {str(dtype).removeprefix('torch.')}, 1 thread",
-            "rl": {
-                "rollouts": len(items),
-                "tokens": rl_data,
-                "tokens_computed": rl_computed,
-                "loss_whole": timed["rl_whole"][1],
-                "loss_tree": timed["rl_tree"][1],
-            },
-            "sft": {
-                "examples": len(examples),
-                "tokens": sft_data,
-                "tokens_computed": sft_computed,
-                "loss_whole": timed["sft_whole"][1],
-                "loss_tree": timed["sft_tree"][1],
-            },
+            "rl": described("rl", {"rollouts": len(items)}),
+            "sft": described("sft", {"examples": len(examples)}),
             "repeats": repeats,
         },
     )
