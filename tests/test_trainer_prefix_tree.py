@@ -42,7 +42,7 @@ def test_sequences_that_begin_alike_share_their_common_untrained_tokens() -> Non
     lengths = [end - start for start, end in zip(tree.cu_runs, tree.cu_runs[1:], strict=False)]
     assert lengths == [4, 2, 3, 2, 2, 2]
     assert tree.ancestors == [[], [0], [0, 1], [0, 1], [0], []]
-    assert tree.num_tokens == 15 and tree.num_source_tokens == 9 + 8 + 6 + 2
+    assert tree.num_tokens == 15
     # Positions are depths: a continuation starts where its prefix ends.
     assert tree.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 6, 7, 4, 5, 0, 1]
     # Each stream token carries the data of the first sequence holding it, or of the one
@@ -95,7 +95,7 @@ def test_attention_over_a_tree_equals_attention_of_each_sequence_alone() -> None
     continuations = [4, 1, 5]
     sequences = [list(range(prefix)) + [100 + i] * n for i, n in enumerate(continuations)]
     tree = build_prefix_tree(sequences, [[False] * prefix + [True] * n for n in continuations])
-    num_flat = tree.num_source_tokens
+    num_flat = sum(len(sequence) for sequence in sequences)
     query = torch.randn(num_flat, 4, 8, generator=generator)
     key = torch.randn(num_flat, 2, 8, generator=generator)
     value = torch.randn(num_flat, 2, 8, generator=generator)

@@ -217,7 +217,11 @@ def pack_microbatch(
     flags = None
     if padding is not None:
         flags = torch.tensor([flag for item in padding for flag in item], dtype=torch.bool)
-    microbatch = Microbatch(
+    num_sequence_tokens = None
+    if source is not None:
+        num_padding = 0 if flags is None else int(flags.sum())
+        num_sequence_tokens = sum(len(s.targets) for s in segments) - num_padding
+    return Microbatch(
         inputs=inputs,
         targets=stream(torch.tensor([t for s in segments for t in s.targets], dtype=torch.long)),
         trained=stream(torch.tensor([t for s in segments for t in s.trained], dtype=torch.bool)),
@@ -227,11 +231,8 @@ def pack_microbatch(
         advantages=per_token([advantage for _, advantage, _ in items]),
         weights=per_token([weight for _, _, weight in items]),
         padding=None if flags is None else stream(flags),
+        num_sequence_tokens=num_sequence_tokens,
     )
-    if source is not None:
-        num_padding = 0 if flags is None else int(flags.sum())
-        microbatch.num_sequence_tokens = sum(len(s.targets) for s in segments) - num_padding
-    return microbatch
 
 
 @dataclass

@@ -86,12 +86,8 @@ def local_microbatches(
     """This rank's microbatches of its replica's ``part`` (its chunks of each sequence).
 
     ``share_prefixes`` packs each microbatch as a prefix tree; it needs every sequence
-    whole on the rank (``cp = 1``).
+    whole on the rank (``cp = 1``: ``context_parallel.shard_inputs`` refuses a tree).
     """
-    if share_prefixes and layout.cp > 1:
-        raise ValueError(
-            f"prefix sharing needs each sequence whole on one rank, not cut over cp = {layout.cp}"
-        )
     microbatches = []
     for items in part:
         padded: list[TrainItem] = []

@@ -42,7 +42,6 @@ class PrefixTree:
     position_ids: torch.Tensor  # [T] int64: depth in the tree
     cu_runs: list[int]  # [R + 1] run boundaries in the stream
     ancestors: list[list[int]]  # per run, the runs above it (root first)
-    num_source_tokens: int  # tokens of the sequences, unshared
 
     @property
     def num_tokens(self) -> int:
@@ -68,9 +67,8 @@ def build_prefix_tree(
         raise ValueError(f"{len(trained)} trained masks for {len(sequences)} sequences")
     if replay is not None and len(replay) != len(sequences):
         raise ValueError(f"{len(replay)} replay entries for {len(sequences)} sequences")
-    # One node per distinct shared position: its parent, depth, source token, and whether
-    # a sequence already trains it. ``index`` finds a node by (parent, token, routing).
-    parent: list[int] = []
+    # One node per distinct shared position: its depth, source token, whether a sequence
+    # already trains it, and its children. ``index`` finds a node by (parent, token, routing).
     depth: list[int] = []
     source: list[int] = []
     owned: list[bool] = []
@@ -95,8 +93,7 @@ def build_prefix_tree(
                     source[node] = offset + position
                 above = node
                 continue
-            node = len(parent)
-            parent.append(above)
+            node = len(depth)
             depth.append(position)
             source.append(offset + position)
             owned.append(bool(flags[position]))
@@ -127,5 +124,4 @@ def build_prefix_tree(
         position_ids=torch.tensor([depth[node] for node in order], dtype=torch.long),
         cu_runs=cu_runs,
         ancestors=ancestors,
-        num_source_tokens=offset,
     )

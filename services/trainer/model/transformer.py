@@ -352,7 +352,7 @@ class Qwen3MoE(nn.Module):
             # A head at a shared token would need the next tokens of every branch below it.
             raise ValueError(
                 "MTP heads need independently packed sequences, not a prefix-shared stream "
-                "(set rl.share_prefixes = false with num_mtp_heads > 0)"
+                "(trainer.job.prefix_sharing = 'auto' packs them so when num_mtp_heads > 0)"
             )
         rope = rope_tables(
             inputs.position_ids, self.arch.head_dim, self.arch.rope_theta, self.dtype
