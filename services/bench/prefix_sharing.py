@@ -35,7 +35,6 @@ from services.bench import BenchResult
 
 TARGET_RL_SPEEDUP = 1.5
 NUM_GROUPS, GROUP_SIZE = 8, 4
-SFT_TOKENS = 8192
 
 
 def _transcripts(tokenizer: object, num_tasks: int) -> list[tuple[list[int], list[bool]]]:
@@ -78,6 +77,7 @@ def run(quick: bool) -> BenchResult:
     """RL and SFT step seconds with and without prefix sharing, in one process."""
     from tokenizers import Tokenizer
 
+    from services.config import BaseModelConfig
     from services.launcher.base_model import sft_records
     from services.model_factory.build import init_model
     from services.trainer.batch import RLBatch, pack_microbatch
@@ -127,12 +127,16 @@ def run(quick: bool) -> BenchResult:
             )
             for share in (False, True)
         }
+        settings = BaseModelConfig()  # one SFT step as the base-model build takes it
         records = Path(scratch) / "sft.jsonl"
         records.write_text(
-            "".join(json.dumps(record) + "\n" for record in sft_records(0, 200, 0.5))
+            "".join(
+                json.dumps(record) + "\n"
+                for record in sft_records(0, 200, settings.sft_flawed_fraction)
+            )
         )
-        source = JsonlSource(tokenizer, max_seq_len=512, path=records)
-        examples = ExampleStream(source, SFT_TOKENS).next_batch()
+        source = JsonlSource(tokenizer, max_seq_len=settings.max_seq_len, path=records)
+        examples = ExampleStream(source, settings.tokens_per_step).next_batch()
         sft_batches = {
             share: to_microbatch(examples, share_prefixes=share) for share in (False, True)
         }
