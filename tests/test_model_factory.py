@@ -58,6 +58,16 @@ def test_small_preset_is_in_the_demo_range(tmp_path: Path) -> None:
     assert config["architectures"] == ["Qwen3MoeForCausalLM"]
 
 
+def test_a_shape_of_ones_own_is_written_with_its_architecture(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    shape = PRESETS["tiny"].model_copy(update={"num_layers": 3, "num_experts": 16})
+    card = init_model(shape, tmp_path / "m", seed=0)
+    assert card["preset"] == "custom" and card["architecture"] == shape.model_dump()
+    config = AutoConfig.from_pretrained(tmp_path / "m")
+    assert (config.num_hidden_layers, config.num_experts) == (3, 16)
+
+
 def test_existing_directory_is_not_overwritten_by_default(tmp_path: Path) -> None:
     (tmp_path / "m").mkdir()
     with pytest.raises(FileExistsError):

@@ -10,13 +10,24 @@ from typing import Any
 import pytest
 import torch
 
-from services.bench.replay import collect, measure, result
+from services.bench.replay import (
+    MODEL_DIR_VARIABLE,
+    SHAPE_VARIABLE,
+    collect,
+    measure,
+    result,
+    served_model,
+    shape_preset,
+)
+from services.model_factory.build import init_model
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     """A fresh tiny model, served by an inference process that sampled 8 x 24 tokens."""
-    return collect(True, tmp_path_factory.mktemp("replay"))
+    workdir = tmp_path_factory.mktemp("replay")
+    init_model("tiny", workdir / "tiny", seed=0)
+    return workdir / "tiny", collect(True, workdir, workdir / "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +99,26 @@ def test_bench_replay_contract(figures: dict[str, float], fused_figures: dict[st
     fused_ratio = fused["mismatch_without_replay"] / fused["mismatch_with_replay"]
     assert answer["figures"]["mismatch_ratio_fused"] == pytest.approx(fused_ratio)
     assert answer["figures"]["mismatch_with_replay_fused"] == fused["mismatch_with_replay"]
+
+
+def test_bench_replay_shape_keeps_tiny_width_and_names_the_variable_when_wrong() -> None:
+    preset = shape_preset("16:64:8")
+    assert (preset.num_layers, preset.num_experts, preset.num_experts_per_token) == (16, 64, 8)
+    assert preset.hidden_size == 64 and preset.vocab_size == 1024
+    with pytest.raises(ValueError, match=f"{SHAPE_VARIABLE}='16x64': expected layers:experts"):
+        shape_preset("16x64")
+    with pytest.raises(ValueError, match=r"SHAPE='2:4:8'.*num_experts_per_token \(8\) exceeds"):
+        shape_preset("2:4:8")
+    with pytest.raises(ValueError, match=f"{SHAPE_VARIABLE}='0:8:2'.*greater than or equal to 1"):
+        shape_preset("0:8:2")
+
+
+def test_bench_replay_takes_a_model_dir_or_a_shape_not_both(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(MODEL_DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setenv(SHAPE_VARIABLE, "8:64:8")
+    with pytest.raises(ValueError, match="not both"):
+        served_model(True, tmp_path)
+    monkeypatch.delenv(SHAPE_VARIABLE)
+    assert served_model(True, tmp_path) == (tmp_path, str(tmp_path))

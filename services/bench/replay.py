@@ -28,6 +28,10 @@ figures with the suffix ``_fused``. Figures:
 
 ``ETUDE_BENCH_REPLAY_MODEL_DIR`` names a model directory to serve instead of a fresh
 factory ``tiny`` model (e.g. one trained for a while, whose routing matters more).
+``ETUDE_BENCH_REPLAY_SHAPE=layers:experts:top_k`` (e.g. ``16:64:8``) serves instead a
+model of ``tiny``'s width with that routing, trained first as the base model is
+(continued pretraining, then SFT; 150 steps each, 30 with ``--quick``): how the ratio
+depends on depth and on how many experts a token picks from.
 
 Nothing here is made up by the trainer: without capture on the replica, the benchmark
 fails and says so.
@@ -49,15 +53,67 @@ import grpc
 import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import ValidationError
 
 from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.bench import BenchResult
 from services.launcher.processes import ManagedProcess
+from services.model_factory.presets import PRESETS, ModelPreset
 from services.trainer.model.layers import Numerics
 from services.wire.client import make_channel
 from services.wire.ports import free_ports
 
 TARGET_RATIO = 5.0
+MODEL_DIR_VARIABLE = "ETUDE_BENCH_REPLAY_MODEL_DIR"
+SHAPE_VARIABLE = "ETUDE_BENCH_REPLAY_SHAPE"
+
+
+def shape_preset(text: str) -> ModelPreset:
+    """``layers:experts:top_k`` -> ``tiny``'s shape with that many layers and that routing."""
+    try:
+        layers, experts, top_k = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ValueError(
+            f"{SHAPE_VARIABLE}={text!r}: expected layers:experts:top_k, e.g. 16:64:8"
+        ) from None
+    fields = {"num_layers": layers, "num_experts": experts, "num_experts_per_token": top_k}
+    try:
+        return ModelPreset.model_validate(PRESETS["tiny"].model_dump() | fields)
+    except ValidationError as error:
+        reasons = "; ".join(problem["msg"] for problem in error.errors())
+        raise ValueError(f"{SHAPE_VARIABLE}={text!r}: {reasons}") from None
+
+
+def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
+    """The model to serve and how the report names it."""
+    from services.model_factory.build import init_model
+
+    chosen, shape = os.environ.get(MODEL_DIR_VARIABLE), os.environ.get(SHAPE_VARIABLE)
+    if chosen and shape:
+        raise ValueError(f"set {MODEL_DIR_VARIABLE} or {SHAPE_VARIABLE}, not both")
+    if chosen:
+        return Path(chosen), chosen
+    if not shape:
+        init_model("tiny", workdir / "tiny", seed=0)
+        return workdir / "tiny", "factory tiny (seed 0)"
+    from rich.console import Console
+
+    from services.config import BaseModelConfig
+    from services.launcher.base_model import build_base_model
+
+    preset = shape_preset(shape)
+    steps = 30 if quick else 150
+    model_dir = workdir / "shaped"
+    build_base_model(
+        preset,
+        model_dir,
+        BaseModelConfig(cpt_steps=steps, sft_steps=steps),
+        Console(stderr=True),
+    )
+    return model_dir, (
+        f"tiny width, {preset.num_layers} layers, top-{preset.num_experts_per_token} of "
+        f"{preset.num_experts} experts, after {steps} CPT + {steps} SFT steps"
+    )
 
 
 def _config(path: Path, model_dir: Path, grpc_port: int, http_port: int, max_len: int) -> None:
@@ -132,17 +188,11 @@ async def _generate(
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
-def collect(quick: bool, workdir: Path) -> tuple[Path, list[dict[str, Any]]]:
-    """Makes the tiny model, serves it, samples; returns the model and the samples."""
+def collect(quick: bool, workdir: Path, model_dir: Path) -> list[dict[str, Any]]:
+    """Serves ``model_dir`` and samples code prompts' completions with their routes."""
     from tokenizers import Tokenizer
 
-    from services.model_factory.build import init_model
     from services.model_factory.corpus import documents
-
-    chosen = os.environ.get("ETUDE_BENCH_REPLAY_MODEL_DIR")
-    model_dir = Path(chosen) if chosen else workdir / "tiny"
-    if not chosen:
-        init_model("tiny", model_dir, seed=0)
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     num_prompts, max_tokens = (8, 24) if quick else (32, 48)
@@ -167,7 +217,7 @@ def collect(quick: bool, workdir: Path) -> tuple[Path, list[dict[str, Any]]]:
         samples = asyncio.run(_generate(target, token, prompts, max_tokens))
     finally:
         process.stop(30)
-    return model_dir, samples
+    return samples
 
 
 def measure(
@@ -238,9 +288,13 @@ def _with_ratio(figures: dict[str, float]) -> dict[str, float]:
 
 
 def result(
-    figures: dict[str, float], quick: bool, fused: dict[str, float] | None = None
+    figures: dict[str, float],
+    quick: bool,
+    fused: dict[str, float] | None = None,
+    model: str = "factory tiny (seed 0)",
 ) -> BenchResult:
-    """The answer for ``figures`` (eager numerics) and ``fused``'s, suffixed ``_fused``."""
+    """The answer for ``figures`` (eager numerics) and ``fused``'s, suffixed ``_fused``,
+    measured on ``model``."""
     figures = _with_ratio(figures)
     ratio = figures["mismatch_ratio"]
     if fused is not None:
@@ -255,7 +309,7 @@ def result(
         ok=ratio >= TARGET_RATIO,
         target=f"mismatch_ratio >= {TARGET_RATIO:g} (tiny model, bf16)",
         details={
-            "model": os.environ.get("ETUDE_BENCH_REPLAY_MODEL_DIR", "factory tiny (seed 0)"),
+            "model": model,
             "mode": "quick" if quick else "full",
             "numerics": "eager; figures suffixed _fused: fused",
         },
@@ -265,8 +319,9 @@ def result(
 def run(quick: bool) -> BenchResult:
     """Measures replay's effect on the tiny model; ok when the ratio meets the target."""
     with tempfile.TemporaryDirectory(prefix="etude-bench-replay-") as tmp:
+        model_dir, model = served_model(quick, Path(tmp))
         try:
-            model_dir, samples = collect(quick, Path(tmp))
+            samples = collect(quick, Path(tmp), model_dir)
         except (RuntimeError, grpc.RpcError) as error:
             detail = error.details() if isinstance(error, grpc.RpcError) else str(error)
             return BenchResult(
@@ -277,4 +332,4 @@ def run(quick: bool) -> BenchResult:
                 details={"blocked": f"no routed experts from inference: {detail}"},
             )
         figures = measure(model_dir, samples, ("eager", "fused"))
-        return result(figures["eager"], quick, figures["fused"])
+        return result(figures["eager"], quick, figures["fused"], model)

@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from services.config import BaseModelConfig
+from services.model_factory.presets import ModelPreset, PresetName
 
 STAGES = ("init", "cpt", "sft")
 SOLUTION_PATH = "solution.py"
@@ -191,25 +192,28 @@ def _train_stage(
 
 
 def build_base_model(
-    preset: str, model_dir: Path, settings: BaseModelConfig, console: Console
+    preset: PresetName | ModelPreset, model_dir: Path, settings: BaseModelConfig, console: Console
 ) -> list[StageReport]:
-    """Builds the model at ``model_dir`` (the SFT stage's output); resumes finished stages."""
+    """Builds the model at ``model_dir`` (the SFT stage's output) from a factory model of
+    ``preset`` (a preset's name or a shape of its own); resumes finished stages."""
     from services.model_factory.build import init_model
+
+    label = preset if isinstance(preset, str) else "custom-shape"
 
     stages = stages_dir(model_dir)
     stages.mkdir(parents=True, exist_ok=True)
     reports: list[StageReport] = []
     init_dir, cpt_dir = stages / "init", stages / "cpt"
     if not (init_dir / "config.json").is_file():
-        with console.status(f"creating a {preset} model") as status:
+        with console.status(f"creating a {label} model") as status:
             init_model(
-                preset,  # type: ignore[arg-type]
+                preset,
                 init_dir,
                 seed=settings.seed,
                 overwrite=True,
                 progress=lambda message: status.update(message),
             )
-        console.print(f"base model: created the {preset} factory model at {init_dir}")
+        console.print(f"base model: created the {label} factory model at {init_dir}")
     if not (cpt_dir / "config.json").is_file():
         reports.append(
             _train_stage(

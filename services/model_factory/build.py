@@ -99,21 +99,25 @@ def _save_weights(preset: ModelPreset, seed: int, out: Path) -> dict[str, int]:
 
 
 def init_model(
-    preset_name: PresetName,
+    preset: PresetName | ModelPreset,
     out: Path,
     *,
     seed: int = 0,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Writes a new model of `preset_name` to `out` and returns its model card.
+    """Writes a new model of `preset` to `out` and returns its model card.
 
-    The directory appears complete or not at all: everything is written to a
-    temporary sibling and renamed into place.
+    `preset` names one of ``PRESETS`` or is a shape of its own (its card says
+    ``"preset": "custom"``). The directory appears complete or not at all: everything is
+    written to a temporary sibling and renamed into place.
     """
-    if preset_name not in PRESETS:
-        raise ValueError(f"unknown preset {preset_name!r}; known: {', '.join(PRESETS)}")
-    preset = PRESETS[preset_name]
+    if isinstance(preset, ModelPreset):
+        shape, name = preset, "custom"
+    elif preset in PRESETS:
+        shape, name = PRESETS[preset], preset
+    else:
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     say = progress or (lambda _message: None)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists (pass overwrite to replace it)")
@@ -121,18 +125,18 @@ def init_model(
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as staging_dir:
         staging = Path(staging_dir)
-        say(f"training a {preset.vocab_size}-token BPE tokenizer on the code corpus")
-        tokenizer = train_tokenizer(preset, seed)
-        _save_tokenizer(tokenizer, preset, staging)
+        say(f"training a {shape.vocab_size}-token BPE tokenizer on the code corpus")
+        tokenizer = train_tokenizer(shape, seed)
+        _save_tokenizer(tokenizer, shape, staging)
         say("initialising Qwen3-MoE weights")
-        parameters = _save_weights(preset, seed, staging)
+        parameters = _save_weights(shape, seed, staging)
         card = {
-            "preset": preset_name,
+            "preset": name,
             "seed": seed,
             "parameters": parameters,
             "special_tokens": special_token_ids(),
             "tokenizer_size": tokenizer.get_vocab_size(),
-            "architecture": preset.model_dump(),
+            "architecture": shape.model_dump(),
             "etude_version": services.__version__,
             "policy_version": 0,
         }
