@@ -139,7 +139,7 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per benchmark.")] = False,
 ) -> None:
     """Measure figures against a same-run baseline (see services/bench)."""
-    from services.bench import BENCHMARKS, load
+    from services.bench import BENCHMARKS, BenchSettingError, load
 
     names = sorted(BENCHMARKS) if name == "all" else [name]
     all_ok = True
@@ -149,7 +149,11 @@ def bench(
         except KeyError as error:
             typer.echo(str(error.args[0]), err=True)
             raise typer.Exit(2) from error
-        result = run_bench(quick).to_json(bench_name)
+        try:
+            result = run_bench(quick).to_json(bench_name)
+        except BenchSettingError as error:
+            typer.echo(f"{bench_name}: {error}", err=True)
+            raise typer.Exit(2) from error
         all_ok &= bool(result["ok"])
         if as_json:
             typer.echo(json.dumps(result))

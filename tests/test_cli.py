@@ -102,3 +102,11 @@ def test_bench_contract() -> None:
     assert result["ok"] == (ratio <= 2.0)
     unknown = _run("bench", "nosuch", "--json")
     assert unknown.returncode == 2 and "unknown benchmark" in unknown.stderr
+
+
+def test_a_wrong_bench_setting_is_named_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ETUDE_BENCH_REPLAY_SHAPE", "16x64")
+    done = _run("bench", "replay", "--json")
+    assert done.returncode == 2 and not done.stdout
+    assert "replay: ETUDE_BENCH_REPLAY_SHAPE='16x64': expected layers:experts" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -29,6 +29,10 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
+class BenchSettingError(ValueError):
+    """A benchmark's setting (an environment variable) is wrong; the message names it."""
+
+
 @dataclass
 class BenchResult:
     """Figures, the same-run baseline, whether the target is met, and what the target is."""

@@ -56,7 +56,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
 from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.bench import BenchResult
+from services.bench import BenchResult, BenchSettingError
 from services.launcher.processes import ManagedProcess
 from services.model_factory.presets import PRESETS, ModelPreset
 from services.trainer.model.layers import Numerics
@@ -73,7 +73,7 @@ def shape_preset(text: str) -> ModelPreset:
     try:
         layers, experts, top_k = (int(part) for part in text.split(":"))
     except ValueError:
-        raise ValueError(
+        raise BenchSettingError(
             f"{SHAPE_VARIABLE}={text!r}: expected layers:experts:top_k, e.g. 16:64:8"
         ) from None
     fields = {"num_layers": layers, "num_experts": experts, "num_experts_per_token": top_k}
@@ -81,7 +81,7 @@ def shape_preset(text: str) -> ModelPreset:
         return ModelPreset.model_validate(PRESETS["tiny"].model_dump() | fields)
     except ValidationError as error:
         reasons = "; ".join(problem["msg"] for problem in error.errors())
-        raise ValueError(f"{SHAPE_VARIABLE}={text!r}: {reasons}") from None
+        raise BenchSettingError(f"{SHAPE_VARIABLE}={text!r}: {reasons}") from None
 
 
 def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
@@ -90,7 +90,7 @@ def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
 
     chosen, shape = os.environ.get(MODEL_DIR_VARIABLE), os.environ.get(SHAPE_VARIABLE)
     if chosen and shape:
-        raise ValueError(f"set {MODEL_DIR_VARIABLE} or {SHAPE_VARIABLE}, not both")
+        raise BenchSettingError(f"set {MODEL_DIR_VARIABLE} or {SHAPE_VARIABLE}, not both")
     if chosen:
         return Path(chosen), chosen
     if not shape:
