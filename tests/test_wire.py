@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,9 +19,10 @@ from prometheus_client import REGISTRY
 from services.api.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from services.run_config import load_config
 from services.trainer.service import TrainerService
+from services.wire import ports as ports_module
 from services.wire.client import make_channel
 from services.wire.errors import InvalidArgument, NotFound
-from services.wire.ports import free_port, free_ports, service_ports
+from services.wire.ports import ephemeral_start, free_port, free_ports, service_ports
 from services.wire.server import build_server, make_service
 from services.wire.service import Service
 
@@ -230,3 +232,21 @@ def test_free_ports_are_distinct_and_bindable() -> None:
     for port in ports:
         with socket.socket() as listener:
             listener.bind(("127.0.0.1", port))
+
+
+def test_free_ports_stay_out_of_the_range_outgoing_connections_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A port in the ephemeral range can be taken by any connect() before the service
+    # binds it (a torchrun restart lost its HTTP port to one that way).
+    assert all(20_000 <= port < min(ephemeral_start(), 32_768) for port in free_ports(32))
+    monkeypatch.setattr(ports_module, "ephemeral_start", lambda: 20_003)  # 3 candidates
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 20_001))
+        assert sorted(free_ports(2)) == [20_000, 20_002]  # a port in use is skipped
+    range_file = tmp_path / "ip_local_port_range"
+    range_file.write_text("24000\t60999\n")
+    assert ephemeral_start(range_file) == 24_000
+    assert ephemeral_start(tmp_path / "missing") == 32_768
+    monkeypatch.setattr(ports_module, "ephemeral_start", lambda: 20_000)  # no room below
+    assert len(set(free_ports(4))) == 4  # the kernel picks
