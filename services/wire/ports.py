@@ -41,14 +41,15 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
     Every probe stays bound until all are chosen, so no port is handed out twice.
     """
-    top = min(ephemeral_start(), DEFAULT_EPHEMERAL_START)
-    candidates = list(range(LOWEST, top))
-    random.SystemRandom().shuffle(candidates)
+    candidates = range(LOWEST, min(ephemeral_start(), DEFAULT_EPHEMERAL_START))
+    # Every candidate once, from a random start: one draw, not a shuffle of thousands.
+    start = random.SystemRandom().randrange(len(candidates)) if candidates else 0
     probes: list[socket.socket] = []
     try:
-        for port in candidates:
+        for offset in range(len(candidates)):
             if len(probes) == count:
                 break
+            port = candidates[(start + offset) % len(candidates)]
             probe = socket.socket()
             try:
                 probe.bind((host, port))
