@@ -41,15 +41,14 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
     Every probe stays bound until all are chosen, so no port is handed out twice.
     """
-    candidates = range(LOWEST, min(ephemeral_start(), DEFAULT_EPHEMERAL_START))
-    # Every candidate once, from a random start: one draw, not a shuffle of thousands.
-    start = random.SystemRandom().randrange(len(candidates)) if candidates else 0
+    top = min(ephemeral_start(), DEFAULT_EPHEMERAL_START)
+    candidates = list(range(LOWEST, top))
+    random.SystemRandom().shuffle(candidates)
     probes: list[socket.socket] = []
     try:
-        for offset in range(len(candidates)):
+        for port in candidates:
             if len(probes) == count:
                 break
-            port = candidates[(start + offset) % len(candidates)]
             probe = socket.socket()
             try:
                 probe.bind((host, port))
