@@ -121,4 +121,7 @@ def test_bench_replay_takes_a_model_dir_or_a_shape_not_both(
     with pytest.raises(ValueError, match="not both"):
         served_model(True, tmp_path)
     monkeypatch.delenv(SHAPE_VARIABLE)
+    with pytest.raises(ValueError, match=f"{MODEL_DIR_VARIABLE}=.*no model there"):
+        served_model(True, tmp_path)
+    (tmp_path / "config.json").write_text("{}")
     assert served_model(True, tmp_path) == (tmp_path, str(tmp_path))

@@ -66,6 +66,7 @@ from services.wire.ports import free_ports
 TARGET_RATIO = 5.0
 MODEL_DIR_VARIABLE = "ETUDE_BENCH_REPLAY_MODEL_DIR"
 SHAPE_VARIABLE = "ETUDE_BENCH_REPLAY_SHAPE"
+FACTORY_TINY = "factory tiny (seed 0)"
 
 
 def shape_preset(text: str) -> ModelPreset:
@@ -92,10 +93,14 @@ def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
     if chosen and shape:
         raise BenchSettingError(f"set {MODEL_DIR_VARIABLE} or {SHAPE_VARIABLE}, not both")
     if chosen:
+        if not (Path(chosen) / "config.json").is_file():
+            raise BenchSettingError(
+                f"{MODEL_DIR_VARIABLE}={chosen!r}: no model there (config.json)"
+            )
         return Path(chosen), chosen
     if not shape:
         init_model("tiny", workdir / "tiny", seed=0)
-        return workdir / "tiny", "factory tiny (seed 0)"
+        return workdir / "tiny", FACTORY_TINY
     from rich.console import Console
 
     from services.config import BaseModelConfig
@@ -291,7 +296,7 @@ def result(
     figures: dict[str, float],
     quick: bool,
     fused: dict[str, float] | None = None,
-    model: str = "factory tiny (seed 0)",
+    model: str = FACTORY_TINY,
 ) -> BenchResult:
     """The answer for ``figures`` (eager numerics) and ``fused``'s, suffixed ``_fused``,
     measured on ``model``."""

@@ -198,7 +198,7 @@ def build_base_model(
     ``preset`` (a preset's name or a shape of its own); resumes finished stages."""
     from services.model_factory.build import init_model
 
-    label = preset if isinstance(preset, str) else "custom-shape"
+    label = preset if isinstance(preset, str) else "custom"  # as the model card names it
 
     stages = stages_dir(model_dir)
     stages.mkdir(parents=True, exist_ok=True)
