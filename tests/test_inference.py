@@ -237,6 +237,19 @@ def test_weights_update_in_flight(replica: Replica, tiny_model: Path) -> None:
                 results.append((prompt, [chunk async for chunk in stub.Generate(request)]))
 
             tasks = [asyncio.create_task(one(i)) for i in range(8)]
+            updated = asyncio.Event()
+
+            async def keep_queued() -> None:
+                # Requests stay queued until the replica serves version 2, however long the
+                # update (or a status probe on two busy cores) takes: one is always mid-way
+                # in the engine when it lands. A task of its own, so nothing the test waits
+                # on below can let the queue run dry.
+                while not updated.is_set():
+                    if sum(not t.done() for t in tasks) < 4:
+                        tasks.append(asyncio.create_task(one(len(tasks))))
+                    await asyncio.sleep(0.2)
+
+            refill = asyncio.create_task(keep_queued())
             await asyncio.sleep(0.2)
             notice = common_pb2.PolicyVersionNotice(
                 version=2, manifest_key=f"weights/{RUN}/v00000002/manifest.json"
@@ -244,16 +257,14 @@ def test_weights_update_in_flight(replica: Replica, tiny_model: Path) -> None:
             # Announced to the reconciler and, as a trainer may do, to the replica directly
             # (NotifyVersion), from a thread so the streams here keep being read.
             await asyncio.to_thread(_announce, replica, notice)
-            # Requests stay queued until the replica serves version 2, however long the
-            # update takes: one is always mid-way when it lands.
             deadline = time.monotonic() + 180
             while await asyncio.to_thread(_serving_version, replica.target) != 2:
                 assert time.monotonic() < deadline, (
                     "version 2 was never loaded:\n" + replica.log.read_text()[-3000:]
                 )
-                if sum(not t.done() for t in tasks) < 4:
-                    tasks.append(asyncio.create_task(one(len(tasks))))
                 await asyncio.sleep(0.3)
+            updated.set()
+            await refill
             await asyncio.gather(*tasks)
             return results
 
