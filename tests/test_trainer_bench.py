@@ -18,6 +18,7 @@ from services.bench.replay import (
     result,
     served_model,
     shape_preset,
+    tail_figures,
 )
 from services.model_factory.build import init_model
 
@@ -85,6 +86,17 @@ def test_replayed_routes_are_inferences_and_leave_only_rounding_noise(
     assert figures["replacement_rate"] == 0.0
     assert figures["mismatch_with_replay"] < 3 * figures["bf16_noise_floor"]
     assert figures["mismatch_max_with_replay"] <= figures["mismatch_max_without_replay"]
+    assert figures["extreme_fraction_with_replay"] <= figures["extreme_fraction_without_replay"]
+
+
+def test_tail_figures_count_tokens_two_times_apart_as_extreme() -> None:
+    """R3's extreme tokens: probabilities more than a factor 2 apart, |Δlogp| > ln 2."""
+    gap = torch.tensor([0.0] * 96 + [0.5, 0.69, 0.70, 3.0])
+    tail = tail_figures(gap, "x")
+    assert set(tail) == {"mismatch_p99_x", "mismatch_max_x", "extreme_fraction_x"}
+    assert tail["extreme_fraction_x"] == pytest.approx(2 / 100)  # 0.70 and 3.0, not 0.69
+    assert tail["mismatch_max_x"] == pytest.approx(3.0)
+    assert tail["mismatch_p99_x"] == pytest.approx(torch.quantile(gap, 0.99).item())
 
 
 def test_bench_replay_contract(figures: dict[str, float], fused_figures: dict[str, float]) -> None:

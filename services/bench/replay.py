@@ -15,6 +15,10 @@ figures with the suffix ``_fused``. Figures:
 * ``mismatch_ratio`` = without / with (target >= 5: replay removes most of the gap);
 * the same gap's 99th percentile and maximum, with and without replay: a flipped route
   shows in the tail long before it moves the mean;
+* ``extreme_fraction_without_replay``, ``extreme_fraction_with_replay``: the fraction of
+  generated tokens whose probability the trainer and vLLM put more than a factor
+  ``EXTREME_TAU`` (2) apart, |Δlogp| > ln 2 -- the "extreme tokens" of the R3 paper (Ma et
+  al., arXiv 2510.11370), which wreck importance ratios and which replay is for;
 * ``replacement_rate``: the plausibility filter's replaced fraction of replayed choices;
 * ``route_agreement_without_replay``: fraction of (token, layer) where the trainer's own
   router picked the experts inference used;
@@ -40,6 +44,7 @@ fails and says so.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import secrets
 import sys
@@ -64,6 +69,7 @@ from services.wire.client import make_channel
 from services.wire.ports import free_ports
 
 TARGET_RATIO = 5.0
+EXTREME_TAU = 2.0  # a token is extreme when the two engines' probabilities differ by more
 MODEL_DIR_VARIABLE = "ETUDE_BENCH_REPLAY_MODEL_DIR"
 SHAPE_VARIABLE = "ETUDE_BENCH_REPLAY_SHAPE"
 FACTORY_TINY = "factory tiny (seed 0)"
@@ -274,10 +280,8 @@ def measure(
         figures[numerics] = {
             "mismatch_without_replay": float(without.mean()),
             "mismatch_with_replay": float(with_.mean()),
-            "mismatch_p99_without_replay": float(without.quantile(0.99)),
-            "mismatch_p99_with_replay": float(with_.quantile(0.99)),
-            "mismatch_max_without_replay": float(without.max()),
-            "mismatch_max_with_replay": float(with_.max()),
+            **tail_figures(without, "without_replay"),
+            **tail_figures(with_, "with_replay"),
             "replacement_rate": sum(with_replay.num_replaced) / max(choices, 1),
             "route_agreement_without_replay": float(agreement),
             "bf16_noise_floor": float((replay_logprobs - exact_logprobs).abs().mean()),
@@ -285,6 +289,16 @@ def measure(
             "generated_tokens": float(targets.numel()),
         }
     return figures
+
+
+def tail_figures(gap: torch.Tensor, suffix: str) -> dict[str, float]:
+    """The tail of ``gap`` (|Δlogp| per generated token): its 99th percentile, maximum and
+    the fraction of extreme tokens, each name ending in ``suffix``."""
+    return {
+        f"mismatch_p99_{suffix}": float(gap.quantile(0.99)),
+        f"mismatch_max_{suffix}": float(gap.max()),
+        f"extreme_fraction_{suffix}": float((gap > math.log(EXTREME_TAU)).float().mean()),
+    }
 
 
 def _with_ratio(figures: dict[str, float]) -> dict[str, float]:
