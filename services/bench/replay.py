@@ -69,7 +69,7 @@ from services.wire.client import make_channel
 from services.wire.ports import free_ports
 
 TARGET_RATIO = 5.0
-EXTREME_TAU = 2.0  # a token is extreme when the two engines' probabilities differ by more
+EXTREME_TAU = 2.0  # extreme: the two engines' probabilities differ by more than this factor
 MODEL_DIR_VARIABLE = "ETUDE_BENCH_REPLAY_MODEL_DIR"
 SHAPE_VARIABLE = "ETUDE_BENCH_REPLAY_SHAPE"
 FACTORY_TINY = "factory tiny (seed 0)"
@@ -99,10 +99,12 @@ def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
     if chosen and shape:
         raise BenchSettingError(f"set {MODEL_DIR_VARIABLE} or {SHAPE_VARIABLE}, not both")
     if chosen:
-        if not (Path(chosen) / "config.json").is_file():
-            raise BenchSettingError(
-                f"{MODEL_DIR_VARIABLE}={chosen!r}: no model there (config.json)"
-            )
+        from services.trainer.model import Architecture
+
+        try:  # the trainer's own check: a model is there, and one it can replay
+            Architecture.from_model_dir(Path(chosen))
+        except (FileNotFoundError, ValueError, KeyError) as error:
+            raise BenchSettingError(f"{MODEL_DIR_VARIABLE}={chosen!r}: {error}") from error
         return Path(chosen), chosen
     if not shape:
         init_model("tiny", workdir / "tiny", seed=0)
