@@ -1,15 +1,21 @@
-"""The base model's SFT data: transcripts of training tasks from an imperfect teacher."""
+"""The base model: its SFT data (transcripts of training tasks from an imperfect teacher)
+and how a stage reports progress."""
 
 from __future__ import annotations
 
+import io
 import json
 import random
+from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from services.config import BaseModelConfig
 from services.envs.families import CANONICAL_KEY
 from services.envs.families.synthetic import make_task
 from services.envs.families.synthetic.templates import NUM_LEVELS, draw, expected_values
+from services.launcher import base_model
 from services.launcher.base_model import printing_instead_of_returning, sft_records
 
 
@@ -62,3 +68,33 @@ def test_a_flawless_teacher_writes_the_reference_solutions() -> None:
 def test_a_fraction_outside_zero_to_one_is_refused() -> None:
     with pytest.raises(ValueError, match="flawed_fraction"):
         list(sft_records(0, 1, 1.5))
+
+
+@pytest.mark.parametrize(("every_s", "lines"), [(0.0, 3), (3600.0, 1)])
+def test_a_stage_without_a_terminal_prints_plain_progress_lines(
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    every_s: float,
+    lines: int,
+) -> None:
+    """A bar without a terminal draws only when it stops: a line every ``every_s`` seconds,
+    and one at the last step, say how far a stage is."""
+    monkeypatch.setattr(base_model, "PLAIN_PROGRESS_EVERY_S", every_s)
+    written = io.StringIO()
+    console = Console(file=written, force_terminal=False, width=120)
+    settings = BaseModelConfig(tokens_per_step=256, max_seq_len=64, warmup_steps=0)
+    data = {"kind": "corpus", "seed": 0, "tokens_per_step": 256, "max_seq_len": 64}
+    base_model._train_stage(
+        "cpt",
+        tiny_model,
+        tmp_path / "cpt",
+        data,
+        steps=3,
+        lr=1e-3,
+        settings=settings,
+        console=console,
+    )
+    printed = [line for line in written.getvalue().splitlines() if line.startswith("cpt: step")]
+    assert len(printed) == lines
+    assert printed[-1].startswith("cpt: step 3/3, loss ")

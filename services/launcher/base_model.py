@@ -48,6 +48,9 @@ SOLUTION_PATH = "solution.py"
 # after a prompt twice as long, only for one task in this many (it is learnt at once).
 FINISH_EVERY = 4
 _RETURN = re.compile(r"^(\s*)return (.+)$", re.MULTILINE)
+# Without a terminal a progress bar draws only when it stops: a stage prints a plain
+# line this often instead (a 48-layer shaped model's SFT stage runs half an hour).
+PLAIN_PROGRESS_EVERY_S = 30.0
 
 
 def _turn(*pieces: str) -> str:
@@ -166,7 +169,7 @@ def _train_stage(
     torch.manual_seed(settings.seed)
     learner = Learner.load(source_dir, job)
     stream = ExampleStream(open_source(job.data, source_dir), job.data.tokens_per_step)
-    started = time.perf_counter()
+    started = last_line = time.perf_counter()
     losses: list[float] = []
     columns = (
         TextColumn(f"[bold]{stage}[/bold]"),
@@ -186,6 +189,14 @@ def _train_stage(
             metrics = learner.sft_step([microbatch], step)
             losses.append(metrics["loss"])
             progress.update(bar, advance=1, loss=f"{metrics['loss']:.3f}")
+            if not console.is_terminal and (
+                time.perf_counter() - last_line >= PLAIN_PROGRESS_EVERY_S or step + 1 == steps
+            ):
+                last_line = time.perf_counter()
+                console.print(
+                    f"{stage}: step {step + 1}/{steps}, loss {metrics['loss']:.3f}, "
+                    f"{last_line - started:.0f} s"
+                )
     save_pretrained(learner.model, out, source_dir=source_dir, policy_version=0)
     first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
     return StageReport(stage, steps, time.perf_counter() - started, first, last)
