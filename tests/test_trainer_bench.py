@@ -13,12 +13,14 @@ import torch
 from services.bench.replay import (
     MODEL_DIR_VARIABLE,
     SHAPE_VARIABLE,
+    STEPS_VARIABLE,
     collect,
     measure,
     result,
     served_model,
     shape_preset,
     tail_figures,
+    training_steps,
 )
 from services.model_factory.build import init_model
 
@@ -124,6 +126,22 @@ def test_bench_replay_shape_keeps_tiny_width_and_names_the_variable_when_wrong()
         shape_preset("2:4:8")
     with pytest.raises(ValueError, match=f"{SHAPE_VARIABLE}='0:8:2'.*greater than or equal to 1"):
         shape_preset("0:8:2")
+
+
+def test_bench_replay_steps_train_a_shaped_model_and_name_the_variable_when_wrong(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert training_steps(None, quick=False) == (150, 150)
+    assert training_steps(None, quick=True) == (30, 30)
+    assert training_steps("150:600", quick=True) == (150, 600)
+    assert training_steps("0:0", quick=False) == (0, 0)
+    with pytest.raises(ValueError, match=f"{STEPS_VARIABLE}='600': expected cpt_steps:sft"):
+        training_steps("600", quick=False)
+    with pytest.raises(ValueError, match=f"{STEPS_VARIABLE}='150:-1': .*negative"):
+        training_steps("150:-1", quick=False)
+    monkeypatch.setenv(STEPS_VARIABLE, "150:600")
+    with pytest.raises(ValueError, match=f"{STEPS_VARIABLE} sets .*set {SHAPE_VARIABLE} too"):
+        served_model(True, tmp_path)
 
 
 def test_bench_replay_takes_a_model_dir_or_a_shape_not_both(

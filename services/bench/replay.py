@@ -36,6 +36,8 @@ factory ``tiny`` model (e.g. one trained for a while, whose routing matters more
 model of ``tiny``'s width with that routing, trained first as the base model is
 (continued pretraining, then SFT; 150 steps each, 30 with ``--quick``): how the ratio
 depends on depth and on how many experts a token picks from.
+``ETUDE_BENCH_REPLAY_STEPS=cpt:sft`` (e.g. ``150:600``) trains the shaped model that many
+steps instead: how the ratio depends on training.
 
 Nothing here is made up by the trainer: without capture on the replica, the benchmark
 fails and says so.
@@ -72,6 +74,7 @@ TARGET_RATIO = 5.0
 EXTREME_TAU = 2.0  # extreme: the two engines' probabilities differ by more than this factor
 MODEL_DIR_VARIABLE = "ETUDE_BENCH_REPLAY_MODEL_DIR"
 SHAPE_VARIABLE = "ETUDE_BENCH_REPLAY_SHAPE"
+STEPS_VARIABLE = "ETUDE_BENCH_REPLAY_STEPS"
 FACTORY_TINY = "factory tiny (seed 0)"
 
 
@@ -91,6 +94,22 @@ def shape_preset(text: str) -> ModelPreset:
         raise BenchSettingError(f"{SHAPE_VARIABLE}={text!r}: {reasons}") from None
 
 
+def training_steps(text: str | None, quick: bool) -> tuple[int, int]:
+    """``cpt:sft`` -> the shaped model's (CPT steps, SFT steps); unset: 150 each, 30 quick."""
+    if text is None:
+        steps = 30 if quick else 150
+        return steps, steps
+    try:
+        cpt, sft = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise BenchSettingError(
+            f"{STEPS_VARIABLE}={text!r}: expected cpt_steps:sft_steps, e.g. 150:600"
+        ) from None
+    if cpt < 0 or sft < 0:
+        raise BenchSettingError(f"{STEPS_VARIABLE}={text!r}: steps cannot be negative")
+    return cpt, sft
+
+
 def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
     """The model to serve and how the report names it."""
     from services.model_factory.build import init_model
@@ -98,6 +117,11 @@ def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
     chosen, shape = os.environ.get(MODEL_DIR_VARIABLE), os.environ.get(SHAPE_VARIABLE)
     if chosen and shape:
         raise BenchSettingError(f"set {MODEL_DIR_VARIABLE} or {SHAPE_VARIABLE}, not both")
+    steps_text = os.environ.get(STEPS_VARIABLE)
+    if steps_text is not None and not shape:
+        raise BenchSettingError(
+            f"{STEPS_VARIABLE} sets how a shaped model is trained: set {SHAPE_VARIABLE} too"
+        )
     if chosen:
         from services.trainer.model import Architecture
 
@@ -115,17 +139,17 @@ def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
     from services.launcher.base_model import build_base_model
 
     preset = shape_preset(shape)
-    steps = 30 if quick else 150
+    cpt_steps, sft_steps = training_steps(steps_text, quick)
     model_dir = workdir / "shaped"
     build_base_model(
         preset,
         model_dir,
-        BaseModelConfig(cpt_steps=steps, sft_steps=steps),
+        BaseModelConfig(cpt_steps=cpt_steps, sft_steps=sft_steps),
         Console(stderr=True),
     )
     return model_dir, (
         f"tiny width, {preset.num_layers} layers, top-{preset.num_experts_per_token} of "
-        f"{preset.num_experts} experts, after {steps} CPT + {steps} SFT steps"
+        f"{preset.num_experts} experts, after {cpt_steps} CPT + {sft_steps} SFT steps"
     )
 
 
