@@ -140,7 +140,8 @@ def test_bench_replay_steps_train_a_shaped_model_and_name_the_variable_when_wron
     with pytest.raises(ValueError, match=f"{STEPS_VARIABLE}='150:-1': .*negative"):
         training_steps("150:-1", quick=False)
     monkeypatch.setenv(STEPS_VARIABLE, "150:600")
-    with pytest.raises(ValueError, match=f"{STEPS_VARIABLE} sets .*set {SHAPE_VARIABLE} too"):
+    monkeypatch.setenv(MODEL_DIR_VARIABLE, str(tmp_path))
+    with pytest.raises(ValueError, match=f"{STEPS_VARIABLE} sets .*{MODEL_DIR_VARIABLE} serves"):
         served_model(True, tmp_path)
 
 

@@ -1,14 +1,14 @@
 """`etude bench replay`: how far router replay closes the train/inference logprob gap.
 
-A tiny factory model is served by a real inference service process (vLLM, bf16) with
-routed-expert capture on; it samples completions of code prompts and returns, per
-generated token, its logprob and, per input token and MoE layer, the experts it was
-routed to. The trainer's model (bf16, the same checkpoint) then recomputes the
-logprobs of the generated tokens twice, in the same run: routing with its own router
-(the baseline) and replaying inference's routes; and that in both of the trainer's
-rounding orders (``model.numerics``): the default ``"eager"`` (transformers' order) gives
-the headline figures; ``"fused"``, which rounds where vLLM's CPU kernels do, the same
-figures with the suffix ``_fused``. Figures:
+A tiny model that routes as Composer 2's does is served by a real inference service
+process (vLLM, bf16) with routed-expert capture on; it samples completions of code
+prompts and returns, per generated token, its logprob and, per input token and MoE
+layer, the experts it was routed to. The trainer's model (bf16, the same checkpoint)
+then recomputes the logprobs of the generated tokens twice, in the same run: routing
+with its own router (the baseline) and replaying inference's routes; and that in both of
+the trainer's rounding orders (``model.numerics``): the default ``"eager"``
+(transformers' order) gives the headline figures; ``"fused"``, which rounds where vLLM's
+CPU kernels do, the same figures with the suffix ``_fused``. Figures:
 
 * ``mismatch_without_replay``, ``mismatch_with_replay``: mean |trainer logp - vLLM logp|
   over generated tokens;
@@ -30,14 +30,18 @@ figures with the suffix ``_fused``. Figures:
   vLLM is nearer the exact forward and the trainer's bf16 rounds more; about equal, both
   sides round as much, differently.
 
-``ETUDE_BENCH_REPLAY_MODEL_DIR`` names a model directory to serve instead of a fresh
-factory ``tiny`` model (e.g. one trained for a while, whose routing matters more).
-``ETUDE_BENCH_REPLAY_SHAPE=layers:experts:top_k`` (e.g. ``16:64:8``) serves instead a
-model of ``tiny``'s width with that routing, trained first as the base model is
-(continued pretraining, then SFT; 150 steps each, 30 with ``--quick``): how the ratio
-depends on depth and on how many experts a token picks from.
-``ETUDE_BENCH_REPLAY_STEPS=cpt:sft`` (e.g. ``150:600``) trains the shaped model that many
-steps instead: how the ratio depends on training.
+The model: ``tiny``'s width (64) and 8 layers, each routing a token to 8 of 384 experts
+as Kimi K2.5 does, the open checkpoint Composer 2 is trained from (``DEFAULT_SHAPE``),
+trained first as the base model is (continued pretraining, then SFT; 150 steps each, 30
+with ``--quick``). Replay repairs routes that flip, so the benchmark needs a router
+with many near-equal choices and experts that a training has made differ: the
+untrained ``tiny`` preset (2 of 8) flips 1% of its routes, to experts that are all
+alike, and measures rounding instead (docs/trainer.md has the sweep).
+
+``ETUDE_BENCH_REPLAY_SHAPE=layers:experts:top_k`` (e.g. ``16:64:8``) serves a model of
+that shape instead, ``ETUDE_BENCH_REPLAY_STEPS=cpt:sft`` (e.g. ``150:600``, or ``0:0``
+for the factory's untrained weights) trains it that many steps, and
+``ETUDE_BENCH_REPLAY_MODEL_DIR`` serves a model directory as it is.
 
 Nothing here is made up by the trainer: without capture on the replica, the benchmark
 fails and says so.
@@ -76,6 +80,9 @@ MODEL_DIR_VARIABLE = "ETUDE_BENCH_REPLAY_MODEL_DIR"
 SHAPE_VARIABLE = "ETUDE_BENCH_REPLAY_SHAPE"
 STEPS_VARIABLE = "ETUDE_BENCH_REPLAY_STEPS"
 FACTORY_TINY = "factory tiny (seed 0)"
+# Composer 2 trains Kimi K2.5, which routes each token to 8 of its 384 experts (61 layers
+# and a shared expert too, which Qwen3-MoE has no counterpart for).
+DEFAULT_SHAPE = "8:384:8"
 
 
 def shape_preset(text: str) -> ModelPreset:
@@ -112,15 +119,14 @@ def training_steps(text: str | None, quick: bool) -> tuple[int, int]:
 
 def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
     """The model to serve and how the report names it."""
-    from services.model_factory.build import init_model
-
     chosen, shape = os.environ.get(MODEL_DIR_VARIABLE), os.environ.get(SHAPE_VARIABLE)
     if chosen and shape:
         raise BenchSettingError(f"set {MODEL_DIR_VARIABLE} or {SHAPE_VARIABLE}, not both")
     steps_text = os.environ.get(STEPS_VARIABLE)
-    if steps_text is not None and not shape:
+    if steps_text is not None and chosen:
         raise BenchSettingError(
-            f"{STEPS_VARIABLE} sets how a shaped model is trained: set {SHAPE_VARIABLE} too"
+            f"{STEPS_VARIABLE} sets how the benchmark trains its model; "
+            f"{MODEL_DIR_VARIABLE} serves one as it is: set one of them"
         )
     if chosen:
         from services.trainer.model import Architecture
@@ -130,15 +136,12 @@ def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
         except (FileNotFoundError, ValueError, KeyError) as error:
             raise BenchSettingError(f"{MODEL_DIR_VARIABLE}={chosen!r}: {error}") from error
         return Path(chosen), chosen
-    if not shape:
-        init_model("tiny", workdir / "tiny", seed=0)
-        return workdir / "tiny", FACTORY_TINY
     from rich.console import Console
 
     from services.config import BaseModelConfig
     from services.launcher.base_model import build_base_model
 
-    preset = shape_preset(shape)
+    preset = shape_preset(shape or DEFAULT_SHAPE)
     cpt_steps, sft_steps = training_steps(steps_text, quick)
     model_dir = workdir / "shaped"
     build_base_model(
@@ -149,7 +152,8 @@ def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
     )
     return model_dir, (
         f"tiny width, {preset.num_layers} layers, top-{preset.num_experts_per_token} of "
-        f"{preset.num_experts} experts, after {cpt_steps} CPT + {sft_steps} SFT steps"
+        f"{preset.num_experts} experts{'' if shape else ' (Kimi K2.5 routing, as Composer 2)'}, "
+        f"after {cpt_steps} CPT + {sft_steps} SFT steps"
     )
 
 
