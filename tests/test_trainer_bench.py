@@ -145,6 +145,46 @@ def test_bench_replay_steps_train_a_shaped_model_and_name_the_variable_when_wron
         served_model(True, tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("quick", "shape", "steps", "expected"),
+    [
+        (False, None, None, ((8, 384, 8), (150, 150), "Kimi K2.5 routing")),
+        (True, None, None, ((8, 384, 8), (30, 30), "Kimi K2.5 routing")),
+        (False, "2:8:2", "0:0", ((2, 8, 2), (0, 0), "top-2 of 8 experts, after 0 CPT")),
+    ],
+)
+def test_bench_replay_trains_composer_2s_routing_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    quick: bool,
+    shape: str | None,
+    steps: str | None,
+    expected: tuple[tuple[int, int, int], tuple[int, int], str],
+) -> None:
+    """Without settings the benchmark builds 8 layers routing 8 of 384 experts (Kimi K2.5,
+    Composer 2's base model), trained as the base model is; the settings replace it."""
+    from services.launcher import base_model
+
+    built: list[tuple[Any, Any]] = []
+    monkeypatch.setattr(
+        base_model,
+        "build_base_model",
+        lambda preset, _dir, settings, _con: built.append((preset, settings)),
+    )
+    for variable, value in ((SHAPE_VARIABLE, shape), (STEPS_VARIABLE, steps)):
+        if value is None:
+            monkeypatch.delenv(variable, raising=False)
+        else:
+            monkeypatch.setenv(variable, value)
+    monkeypatch.delenv(MODEL_DIR_VARIABLE, raising=False)
+    model_dir, name = served_model(quick, tmp_path)
+    ((preset, settings),) = built
+    shape_seen = (preset.num_layers, preset.num_experts, preset.num_experts_per_token)
+    assert (shape_seen, (settings.cpt_steps, settings.sft_steps)) == expected[:2]
+    assert preset.hidden_size == 64 and model_dir == tmp_path / "shaped"
+    assert expected[2] in name
+
+
 def test_bench_replay_takes_a_model_dir_or_a_shape_not_both(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -34,9 +34,9 @@ The model: ``tiny``'s width (64) and 8 layers, each routing a token to 8 of 384 
 as Kimi K2.5 does, the open checkpoint Composer 2 is trained from (``DEFAULT_SHAPE``),
 trained first as the base model is (continued pretraining, then SFT; 150 steps each, 30
 with ``--quick``). Replay repairs routes that flip, so the benchmark needs a router
-with many near-equal choices and experts that a training has made differ: the
-untrained ``tiny`` preset (2 of 8) flips 1% of its routes, to experts that are all
-alike, and measures rounding instead (docs/trainer.md has the sweep).
+with many near-equal choices and experts that training has made different: the
+untrained ``tiny`` preset (2 of 8) flips 1% of its routes, between experts that are
+still alike, and measures rounding instead (docs/trainer.md has the sweep).
 
 ``ETUDE_BENCH_REPLAY_SHAPE=layers:experts:top_k`` (e.g. ``16:64:8``) serves a model of
 that shape instead, ``ETUDE_BENCH_REPLAY_STEPS=cpt:sft`` (e.g. ``150:600``, or ``0:0``
