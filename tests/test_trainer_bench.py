@@ -20,7 +20,7 @@ from services.bench.replay import (
     served_model,
     shape_preset,
     tail_figures,
-    training_steps,
+    training_settings,
 )
 from services.model_factory.build import init_model
 
@@ -131,14 +131,20 @@ def test_bench_replay_shape_keeps_tiny_width_and_names_the_variable_when_wrong()
 def test_bench_replay_steps_train_a_shaped_model_and_name_the_variable_when_wrong(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    assert training_steps(None, quick=False) == (150, 150)
-    assert training_steps(None, quick=True) == (30, 30)
-    assert training_steps("150:600", quick=True) == (150, 600)
-    assert training_steps("0:0", quick=False) == (0, 0)
+    def steps(text: str | None, quick: bool) -> tuple[int, int]:
+        settings = training_settings(text, quick)
+        return settings.cpt_steps, settings.sft_steps
+
+    assert steps(None, quick=False) == (150, 150)
+    assert steps(None, quick=True) == (30, 30)
+    assert steps("150:600", quick=True) == (150, 600)
+    assert steps("0:0", quick=False) == (0, 0)
     with pytest.raises(ValueError, match=f"{STEPS_VARIABLE}='600': expected cpt_steps:sft"):
-        training_steps("600", quick=False)
-    with pytest.raises(ValueError, match=f"{STEPS_VARIABLE}='150:-1': .*negative"):
-        training_steps("150:-1", quick=False)
+        steps("600", quick=False)
+    with pytest.raises(ValueError, match=f"{STEPS_VARIABLE}='1:2:3': expected cpt_steps:sft"):
+        steps("1:2:3", quick=False)
+    with pytest.raises(ValueError, match=f"{STEPS_VARIABLE}='150:-1': .*greater than or equal"):
+        steps("150:-1", quick=False)
     monkeypatch.setenv(STEPS_VARIABLE, "150:600")
     monkeypatch.setenv(MODEL_DIR_VARIABLE, str(tmp_path))
     with pytest.raises(ValueError, match=f"{STEPS_VARIABLE} sets .*{MODEL_DIR_VARIABLE} serves"):

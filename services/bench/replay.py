@@ -68,6 +68,7 @@ from pydantic import ValidationError
 
 from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.bench import BenchResult, BenchSettingError
+from services.config import BaseModelConfig
 from services.launcher.processes import ManagedProcess
 from services.model_factory.presets import PRESETS, ModelPreset
 from services.trainer.model.layers import Numerics
@@ -85,36 +86,42 @@ FACTORY_TINY = "factory tiny (seed 0)"
 DEFAULT_SHAPE = "8:384:8"
 
 
+def _colon_ints(variable: str, text: str, form: str, example: str) -> list[int]:
+    """``text`` (``variable``'s value) as the integers of ``form``, e.g. ``a:b``."""
+    parts = text.split(":")
+    try:
+        if len(parts) != form.count(":") + 1:
+            raise ValueError
+        return [int(part) for part in parts]
+    except ValueError:
+        raise BenchSettingError(f"{variable}={text!r}: expected {form}, e.g. {example}") from None
+
+
+def _reasons(error: ValidationError) -> str:
+    return "; ".join(problem["msg"] for problem in error.errors())
+
+
 def shape_preset(text: str) -> ModelPreset:
     """``layers:experts:top_k`` -> ``tiny``'s shape with that many layers and that routing."""
-    try:
-        layers, experts, top_k = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise BenchSettingError(
-            f"{SHAPE_VARIABLE}={text!r}: expected layers:experts:top_k, e.g. 16:64:8"
-        ) from None
+    layers, experts, top_k = _colon_ints(SHAPE_VARIABLE, text, "layers:experts:top_k", "16:64:8")
     fields = {"num_layers": layers, "num_experts": experts, "num_experts_per_token": top_k}
     try:
         return ModelPreset.model_validate(PRESETS["tiny"].model_dump() | fields)
     except ValidationError as error:
-        reasons = "; ".join(problem["msg"] for problem in error.errors())
-        raise BenchSettingError(f"{SHAPE_VARIABLE}={text!r}: {reasons}") from None
+        raise BenchSettingError(f"{SHAPE_VARIABLE}={text!r}: {_reasons(error)}") from None
 
 
-def training_steps(text: str | None, quick: bool) -> tuple[int, int]:
-    """``cpt:sft`` -> the shaped model's (CPT steps, SFT steps); unset: 150 each, 30 quick."""
+def training_settings(text: str | None, quick: bool) -> BaseModelConfig:
+    """``cpt:sft`` -> how the shaped model is built: that many CPT and SFT steps (unset: 150
+    each, 30 with ``quick``), the rest as `etude run` builds its base model."""
     if text is None:
-        steps = 30 if quick else 150
-        return steps, steps
+        cpt = sft = 30 if quick else 150
+    else:
+        cpt, sft = _colon_ints(STEPS_VARIABLE, text, "cpt_steps:sft_steps", "150:600")
     try:
-        cpt, sft = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise BenchSettingError(
-            f"{STEPS_VARIABLE}={text!r}: expected cpt_steps:sft_steps, e.g. 150:600"
-        ) from None
-    if cpt < 0 or sft < 0:
-        raise BenchSettingError(f"{STEPS_VARIABLE}={text!r}: steps cannot be negative")
-    return cpt, sft
+        return BaseModelConfig(cpt_steps=cpt, sft_steps=sft)
+    except ValidationError as error:
+        raise BenchSettingError(f"{STEPS_VARIABLE}={text!r}: {_reasons(error)}") from None
 
 
 def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
@@ -138,22 +145,17 @@ def served_model(quick: bool, workdir: Path) -> tuple[Path, str]:
         return Path(chosen), chosen
     from rich.console import Console
 
-    from services.config import BaseModelConfig
     from services.launcher.base_model import build_base_model
 
     preset = shape_preset(shape or DEFAULT_SHAPE)
-    cpt_steps, sft_steps = training_steps(steps_text, quick)
+    settings = training_settings(steps_text, quick)
     model_dir = workdir / "shaped"
-    build_base_model(
-        preset,
-        model_dir,
-        BaseModelConfig(cpt_steps=cpt_steps, sft_steps=sft_steps),
-        Console(stderr=True),
-    )
+    build_base_model(preset, model_dir, settings, Console(stderr=True))
+    routing = "" if shape else " (Kimi K2.5 routing, as Composer 2)"
     return model_dir, (
         f"tiny width, {preset.num_layers} layers, top-{preset.num_experts_per_token} of "
-        f"{preset.num_experts} experts{'' if shape else ' (Kimi K2.5 routing, as Composer 2)'}, "
-        f"after {cpt_steps} CPT + {sft_steps} SFT steps"
+        f"{preset.num_experts} experts{routing}, "
+        f"after {settings.cpt_steps} CPT + {settings.sft_steps} SFT steps"
     )
 
 
