@@ -19,10 +19,11 @@ from services.trainer.precision import (
 from services.trainer.precision.backends import (
     BlackwellBackend,
     agrees_with_emulation,
+    grouped_mm_runs,
     swizzle_scales,
 )
-from services.trainer.precision.mxfp8 import MXFP8Tensor
-from services.trainer.precision.nvfp4 import NVFP4Tensor
+from services.trainer.precision.mxfp8 import MXFP8Tensor, quantize_mxfp8
+from services.trainer.precision.nvfp4 import NVFP4Tensor, quantize_nvfp4
 from tests.test_precision_reference import (
     E2M1_TABLE,
     E4M3_TABLE,
@@ -253,3 +254,32 @@ def test_plain_grouped_gemm_and_its_gradients_equal_each_experts_own_matmul(
     assert torch.equal(grad_x, expected_x)
     assert torch.equal(grad_w, expected_w)
     assert torch.count_nonzero(grad_w[[1, 4]]) == 0
+
+
+def test_emulated_grouped_matmuls_equal_the_per_expert_loop_bit_for_bit() -> None:
+    """The emulation's one grouped GEMM over all experts gives the bits of the base
+    class's matmul per expert (idle experts included), for both quantized formats."""
+    generator = torch.Generator().manual_seed(5)
+    sizes = [7, 0, 33, 1, 64, 0, 19]
+    bounds = tuple(
+        (sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))
+    )  # the group_bounds layout
+    x = torch.randn(sum(sizes), 64, generator=generator)
+    weight = torch.randn(len(sizes), 32, 64, generator=generator)
+    backend = EmulatedBackend()
+    looped = super(EmulatedBackend, backend)
+    x4, w4 = quantize_nvfp4(x), quantize_nvfp4(weight)
+    assert torch.equal(
+        backend.nvfp4_grouped_matmul(x4, w4, bounds), looped.nvfp4_grouped_matmul(x4, w4, bounds)
+    )
+    x8, w8 = quantize_mxfp8(x), quantize_mxfp8(weight)
+    assert torch.equal(
+        backend.mxfp8_grouped_matmul(x8, w8, bounds), looped.mxfp8_grouped_matmul(x8, w8, bounds)
+    )
+
+
+def test_grouped_mm_is_chosen_where_the_device_runs_it() -> None:
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert grouped_mm_runs(cpu, dtype, 24, 40)  # any shape on CPU
+    assert not grouped_mm_runs(torch.device("meta"), torch.bfloat16, 64, 64)

@@ -25,6 +25,7 @@ a fused kernel that plugs in here must use ``div.rn.f32``, not ``div.approx``/``
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from abc import ABC, abstractmethod
 from typing import ClassVar, Literal
@@ -36,6 +37,45 @@ from services.trainer.precision.mxfp8 import MXFP8Tensor, ScaleRule, quantize_mx
 from services.trainer.precision.nvfp4 import NonFinitePolicy, NVFP4Tensor, quantize_nvfp4
 
 BackendName = Literal["auto", "emulated", "blackwell"]
+Bounds = tuple[tuple[int, int], ...]
+"""``(start, end)`` row ranges of each expert's tokens, in expert order."""
+
+log = logging.getLogger(__name__)
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype, num_in: int, num_out: int) -> bool:
+    """Whether ``F.grouped_mm`` runs these operands: on CPU any float dtype (torch 2.13);
+    on CUDA bf16 on sm_80+ with 16-byte-aligned rows, as its kernels require."""
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or dtype != torch.bfloat16 or num_in % 8 or num_out % 8:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+@functools.cache
+def _log_path(device_type: str, dtype: torch.dtype, grouped: bool) -> None:
+    """Says once per device and dtype which expert GEMM runs."""
+    path = "torch grouped_mm (one call)" if grouped else "a matmul per expert"
+    log.info("expert GEMMs on %s in %s: %s", device_type, dtype, path)
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, bounds: Bounds) -> torch.Tensor:
+    """``x[rows of e] @ weight[e].T`` for each expert ``e``: ``x [T, K]``, ``weight [E, N, K]``.
+
+    One ``F.grouped_mm`` call where the device runs it (on CPU its result and gradients
+    equal each expert's own matmul bit for bit, tested), else one matmul per expert.
+    Autograd flows through either.
+    """
+    grouped = grouped_mm_runs(x.device, x.dtype, x.shape[1], weight.shape[1])
+    _log_path(x.device.type, x.dtype, grouped)
+    if grouped:
+        ends = torch.tensor([end for _, end in bounds], dtype=torch.int32, device=x.device)
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=ends)
+    # ``split`` and ``unbind``, not a slice per expert: a slice's backward zero-fills a
+    # tensor the size of the whole input (or of every expert's weights) for each expert.
+    sizes = [end - start for start, end in bounds]
+    return torch.cat([rows @ w.T for rows, w in zip(x.split(sizes), weight.unbind(0), strict=True)])
 
 
 class KernelBackend(ABC):
@@ -66,6 +106,24 @@ class KernelBackend(ABC):
     def mxfp8_matmul(self, a: MXFP8Tensor, b: MXFP8Tensor) -> torch.Tensor:
         """``a [M, R] @ b [N, R].T`` in float32."""
 
+    def nvfp4_grouped_matmul(self, a: NVFP4Tensor, b: NVFP4Tensor, bounds: Bounds) -> torch.Tensor:
+        """``a [T, R]`` (rows grouped by ``bounds``) times ``b [E, N, R]`` per group, float32."""
+        return torch.cat(
+            [
+                self.nvfp4_matmul(a[start:end], b[expert])
+                for expert, (start, end) in enumerate(bounds)
+            ]
+        )
+
+    def mxfp8_grouped_matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, bounds: Bounds) -> torch.Tensor:
+        """``a [T, R]`` (rows grouped by ``bounds``) times ``b [E, N, R]`` per group, float32."""
+        return torch.cat(
+            [
+                self.mxfp8_matmul(a[start:end], b[expert])
+                for expert, (start, end) in enumerate(bounds)
+            ]
+        )
+
 
 class EmulatedBackend(KernelBackend):
     """Exact quantize-dequantize, then an FP32 GEMM; runs on any device."""
@@ -84,6 +142,14 @@ class EmulatedBackend(KernelBackend):
     def mxfp8_matmul(self, a: MXFP8Tensor, b: MXFP8Tensor) -> torch.Tensor:
         """FP32 GEMM of the dequantized operands."""
         return a.dequantize() @ b.dequantize().T
+
+    def nvfp4_grouped_matmul(self, a: NVFP4Tensor, b: NVFP4Tensor, bounds: Bounds) -> torch.Tensor:
+        """One FP32 grouped GEMM of the dequantized operands."""
+        return grouped_matmul(a.dequantize(), b.dequantize(), bounds)
+
+    def mxfp8_grouped_matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, bounds: Bounds) -> torch.Tensor:
+        """One FP32 grouped GEMM of the dequantized operands."""
+        return grouped_matmul(a.dequantize(), b.dequantize(), bounds)
 
 
 def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:

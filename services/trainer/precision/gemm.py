@@ -28,12 +28,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.trainer.precision.backends import KernelBackend, select_backend
+from services.trainer.precision.backends import (
+    Bounds,
+    KernelBackend,
+    grouped_matmul,
+    select_backend,
+)
 from services.trainer.precision.config import PrecisionConfig
 from services.trainer.precision.mxfp8 import MXFP8_BLOCK_SIZE, MXFP8Tensor
 from services.trainer.precision.nvfp4 import NVFP4_BLOCK_SIZE
-
-Bounds = tuple[tuple[int, int], ...]
 
 
 def group_bounds(
@@ -74,11 +77,7 @@ class _NVFP4ForwardMXFP8Backward(torch.autograd.Function):
         ctx.bounds, ctx.backend, ctx.config = bounds, backend, config
         x_q = backend.quantize_nvfp4(x, config.nonfinite)
         weight_q = backend.quantize_nvfp4(weight, config.nonfinite)  # per output channel
-        outputs = [
-            backend.nvfp4_matmul(x_q[start:end], weight_q[expert])
-            for expert, (start, end) in enumerate(bounds)
-        ]
-        return torch.cat(outputs).to(x.dtype)
+        return backend.nvfp4_grouped_matmul(x_q, weight_q, bounds).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -94,12 +93,7 @@ class _NVFP4ForwardMXFP8Backward(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_out_q = q8(grad_out)  # blocks along N, per token
             weight_t_q = q8(weight.transpose(1, 2))  # [E, K, N], blocks along N
-            grad_x = torch.cat(
-                [
-                    backend.mxfp8_matmul(grad_out_q[start:end], weight_t_q[expert])
-                    for expert, (start, end) in enumerate(bounds)
-                ]
-            ).to(x.dtype)
+            grad_x = backend.mxfp8_grouped_matmul(grad_out_q, weight_t_q, bounds).to(x.dtype)
         if ctx.needs_input_grad[1]:
             grads = []
             for start, end in bounds:
@@ -122,14 +116,7 @@ def _plain_grouped_gemm(
 ) -> torch.Tensor:
     """Operands rounded to ``dtype``; the GEMM in ``accumulate`` (default ``dtype``)."""
     accumulate = accumulate or dtype
-    # ``split`` and ``unbind``, not a slice per expert: a slice's backward zero-fills a
-    # tensor the size of the whole input (or of every expert's weights) for each expert.
-    sizes = [end - start for start, end in bounds]
-    outputs = [
-        rows.to(dtype).to(accumulate) @ expert_weight.to(dtype).to(accumulate).T
-        for rows, expert_weight in zip(x.split(sizes), weight.unbind(0), strict=True)
-    ]
-    out = torch.cat(outputs)
+    out = grouped_matmul(x.to(dtype).to(accumulate), weight.to(dtype).to(accumulate), bounds)
     return out if accumulate != dtype else out.to(x.dtype)
 
 
