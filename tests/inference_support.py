@@ -7,13 +7,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services import routed_experts
 from services.api.v1 import common_pb2
 
 
 def unpack_routing(routed: common_pb2.RoutedExperts) -> np.ndarray:
-    """The wire's packed array as [tokens, layers, top_k] integers."""
-    dtype = {common_pb2.INDEX_DTYPE_UINT8: "<u1", common_pb2.INDEX_DTYPE_INT16: "<i2"}[routed.dtype]
-    return np.frombuffer(routed.data, dtype=dtype).reshape(tuple(routed.shape)).astype(np.int64)
+    """The wire's packed array as [tokens, layers, top_k] integers (any row count)."""
+    table = routed_experts.decode(routed, num_tokens=routed.shape[0])
+    assert table is not None, "no routed experts"
+    return table
 
 
 def load_hf(model_dir: Path, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:

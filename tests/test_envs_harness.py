@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services import routed_experts
 from services.api.v1 import common_pb2, reconciler_pb2
 from services.envs.config import HarnessConfig
 from services.envs.grading import grade
 from services.envs.harness import Harness
-from services.envs.inference_client import InferenceGenerator, unpack_routing
+from services.envs.inference_client import InferenceGenerator
 from services.envs.rewards import RewardConfig
 from services.envs.sandbox import SandboxConfig, make_sandbox
 from services.envs.tools import Tools
@@ -72,11 +73,11 @@ def check_segment(segment: common_pb2.Segment, layers: int, top_k: int) -> int:
     spans = [(s.start, s.end) for s in segment.version_spans]
     covered = sorted(i for start, end in spans for i in range(start, end))
     assert covered == generated  # every generated token has a version, and nothing else
-    routing = unpack_routing(segment.routed_experts)
-    assert routing is not None and routing.shape == (len(segment.token_ids), layers, top_k)
-    ran, last = routing[:-1], routing[-1]
-    assert np.all((ran >= 0) & (ran < 8))  # every token the engine ran has experts
-    assert np.all(last == -1)  # the final generated token was never fed back
+    routing = routed_experts.decode(segment.routed_experts, len(segment.token_ids))
+    # A row for every token the engine ran: all but the final generated token, which was
+    # never fed back.
+    assert routing is not None and routing.shape == (len(segment.token_ids) - 1, layers, top_k)
+    assert np.all((routing >= 0) & (routing < 8))
     return len(generated)
 
 

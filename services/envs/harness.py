@@ -13,7 +13,8 @@ conversation's structure. A context (segment) is laid out as
 When a context nears its limit the model is asked to summarize (``<|summarize|>``); the
 next context starts from the task and that summary (the summary's own token ids).
 Every segment keeps its token ids, behaviour logprobs, a mask of generated tokens, the
-routed experts of its last generation call, and the weight-version spans.
+routed experts of its last generation call (forwarded as inference encoded them, see
+``services.routed_experts``), and the weight-version spans.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from services import routed_experts
 from services.api.v1 import common_pb2
 from services.envs.config import HarnessConfig
 from services.envs.tools import Tools, parse_tool_calls
@@ -45,7 +45,9 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     version_spans: list[tuple[int, int, int]]
-    routing: np.ndarray | None  # [prompt + generated - 1, layers, top_k]
+    # As inference packed it, checked to hold a row for every token but the last (of
+    # prompt + generated); None when inference returned none.
+    routing: common_pb2.RoutedExperts | None
     finish_reason: str
 
 
@@ -62,7 +64,7 @@ class SegmentBuilder:
     logprobs: list[float] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     spans: list[tuple[int, int, int]] = field(default_factory=list)
-    routing: np.ndarray | None = None
+    routing: common_pb2.RoutedExperts | None = None
 
     def add_generated(self, generation: Generation) -> None:
         offset = len(self.token_ids) - self.num_prompt_tokens
@@ -70,8 +72,9 @@ class SegmentBuilder:
         self.token_ids += generation.token_ids
         self.logprobs += generation.logprobs
         self.generated += [1] * len(generation.token_ids)
-        if generation.routing is not None:
-            self.routing = generation.routing
+        # The last call saw every earlier token of this context, so its routing covers
+        # them all; an older call's would leave the newer tokens out.
+        self.routing = generation.routing
 
     def add_injected(self, token_ids: list[int]) -> None:
         self.token_ids += token_ids
@@ -98,18 +101,10 @@ class SegmentBuilder:
             ],
         )
         if self.routing is not None:
-            # The last call saw every token but its own final one: that row is -1
-            # ("no routing recorded": the trainer's router decides).
-            table = np.full((len(self.token_ids), *self.routing.shape[1:]), -1, dtype="<i2")
-            rows = min(len(self.routing), len(self.token_ids))
-            table[:rows] = self.routing[:rows]
-            segment.routed_experts.CopyFrom(
-                common_pb2.RoutedExperts(
-                    data=table.tobytes(),
-                    shape=list(table.shape),
-                    dtype=common_pb2.INDEX_DTYPE_INT16,
-                )
-            )
+            # The last call ran every token but its own final one, so the table has a row
+            # for each token but the last: forwarded as is (routed_experts.check).
+            routed_experts.check(self.routing, len(self.token_ids), "segment.routed_experts")
+            segment.routed_experts.CopyFrom(self.routing)
         return segment
 
 

@@ -8,23 +8,13 @@ import time
 import zlib
 
 import grpc
-import numpy as np
 from grpc import aio
 
-from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services import routed_experts
+from services.api.v1 import inference_pb2, inference_pb2_grpc
 from services.envs.harness import Generation
 
 log = logging.getLogger(__name__)
-
-_INDEX_DTYPES = {common_pb2.INDEX_DTYPE_UINT8: "<u1", common_pb2.INDEX_DTYPE_INT16: "<i2"}
-
-
-def unpack_routing(routed: common_pb2.RoutedExperts) -> np.ndarray | None:
-    """The packed [tokens, layers, top_k] array, or None when there is none."""
-    if not routed.shape:
-        return None
-    dtype = _INDEX_DTYPES.get(routed.dtype, "<i4")
-    return np.frombuffer(routed.data, dtype=dtype).reshape(tuple(routed.shape)).astype(np.int16)
 
 
 class InferenceGenerator:
@@ -79,10 +69,17 @@ class InferenceGenerator:
             token_ids += chunk.token_ids
             logprobs += chunk.logprobs
             last = chunk
+        routing = None
+        if not routed_experts.is_empty(last.routed_experts):
+            # Checked here, where a bad table can be blamed on the reply; the bytes are
+            # forwarded into the rollout record as they came.
+            num_tokens = len(request.prompt_token_ids) + len(token_ids)
+            routed_experts.check(last.routed_experts, num_tokens, "GenerateResponse.routed_experts")
+            routing = last.routed_experts
         return Generation(
             token_ids=token_ids,
             logprobs=logprobs,
             version_spans=[(s.version, s.start, s.end) for s in last.version_spans],
-            routing=unpack_routing(last.routed_experts),
+            routing=routing,
             finish_reason=inference_pb2.FinishReason.Name(last.finish_reason),
         )

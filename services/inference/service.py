@@ -14,9 +14,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import numpy as np
 from grpc import aio
 
+from services import routed_experts
 from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference import metrics, validation
 from services.inference.engine import Engine
@@ -57,15 +57,6 @@ def to_vllm_sampling(sampling: inference_pb2.SamplingParams) -> Any:
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
     )
-
-
-def pack_routing(table: np.ndarray) -> common_pb2.RoutedExperts:
-    """A [tokens, layers, top_k] table as the wire's packed little-endian array."""
-    if table.size and int(table.max()) < 256 and int(table.min()) >= 0:
-        data, dtype = table.astype("<u1"), common_pb2.INDEX_DTYPE_UINT8
-    else:
-        data, dtype = table.astype("<i2"), common_pb2.INDEX_DTYPE_INT16
-    return common_pb2.RoutedExperts(data=data.tobytes(), shape=list(table.shape), dtype=dtype)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -110,7 +101,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 offset=chunk.offset,
             )
             if chunk.routed_experts is not None:
-                response.routed_experts.CopyFrom(pack_routing(chunk.routed_experts))
+                response.routed_experts.CopyFrom(routed_experts.encode(chunk.routed_experts))
             yield response
 
     async def NotifyVersion(

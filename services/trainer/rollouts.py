@@ -20,18 +20,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from services import routed_experts
 from services.api.v1 import common_pb2
 from services.objectstore.base import ObjectStore, ObjectStoreError, sha256_hex
 from services.trainer.model.architecture import Architecture
-
-INDEX_DTYPES: dict[int, np.dtype] = {
-    common_pb2.INDEX_DTYPE_UINT8: np.dtype("u1"),
-    common_pb2.INDEX_DTYPE_INT16: np.dtype("<i2"),
-    common_pb2.INDEX_DTYPE_INT32: np.dtype("<i4"),
-}
 
 
 class RolloutError(ValueError):
@@ -76,13 +70,14 @@ def decode_routed_experts(
     A row of -1 means inference never ran that token (the last one, or tool output
     injected after the last generation): the trainer's router decides for it.
     """
-    if not routed.data and not routed.shape:
+    try:
+        indices = routed_experts.decode(routed, num_tokens)
+    except routed_experts.RoutedExpertsError as error:
+        raise RolloutError(error.reason, str(error)) from None
+    if indices is None:
         return None
-    dtype = INDEX_DTYPES.get(routed.dtype)
-    if dtype is None:
-        raise RolloutError("routed_experts_dtype", f"index dtype {routed.dtype} is not known")
-    shape = tuple(routed.shape)
-    if len(shape) != 3 or shape[2] != arch.top_k:
+    shape = indices.shape
+    if shape[2] != arch.top_k:
         raise RolloutError(
             "routed_experts_shape", f"shape {shape}, expected [tokens, layers, {arch.top_k}]"
         )
@@ -90,17 +85,6 @@ def decode_routed_experts(
         raise RolloutError(
             "routed_experts_layers", f"{shape[1]} MoE layers, the model has {arch.num_layers}"
         )
-    # The last token of a segment is never fed to the model, so inference may omit its row.
-    if shape[0] not in (num_tokens, num_tokens - 1):
-        raise RolloutError(
-            "routed_experts_shape", f"{shape[0]} token rows for a segment of {num_tokens} tokens"
-        )
-    if len(routed.data) != math.prod(shape) * dtype.itemsize:
-        raise RolloutError(
-            "routed_experts_shape",
-            f"{len(routed.data)} bytes of data for shape {shape} of {dtype.name}",
-        )
-    indices = np.frombuffer(routed.data, dtype=dtype).reshape(shape).astype(np.int64)
     if indices.size and (indices.min() < -1 or indices.max() >= arch.num_experts):
         raise RolloutError(
             "routed_experts_range", f"expert ids outside [0, {arch.num_experts}) (or -1)"
@@ -110,7 +94,7 @@ def decode_routed_experts(
         raise RolloutError(
             "routed_experts_range", "a token has -1 (no routing) in some entries but not all"
         )
-    return torch.from_numpy(indices.copy())
+    return torch.from_numpy(indices)
 
 
 def parse_segment(
