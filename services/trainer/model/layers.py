@@ -120,6 +120,54 @@ def _run_attention(
     return attended[0].transpose(0, 1)
 
 
+def varlen_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``causal_attention`` runs as one varlen (flash) call: CUDA with bf16/fp16
+    activations. On CPU there is no flash kernel, FlexAttention has no CPU backward, and
+    one SDPA over the pack with a block-diagonal mask was 4-15x slower than an SDPA per
+    sequence (docs/trainer.md), so the CPU keeps one SDPA per sequence."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def _varlen_attention(
+    queries: Sequence[torch.Tensor],
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    ancestors: Sequence[Sequence[int]] | None,
+) -> torch.Tensor:
+    """All runs in one ``varlen_attn`` call. A run of a prefix tree gets its ancestors' keys
+    before its own; the flash kernel's causal mask is aligned to the bottom right when a
+    run has more keys than queries, so it sees every prefix key, then causally its own."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    runs_keys: list[torch.Tensor] = []
+    runs_values: list[torch.Tensor] = []
+    key_lengths: list[int] = []
+    for run, (k, v) in enumerate(zip(keys, values, strict=True)):
+        above = ancestors[run] if ancestors is not None else ()
+        runs_keys += [*(keys[a] for a in above), k]
+        runs_values += [*(values[a] for a in above), v]
+        key_lengths.append(sum(keys[a].shape[0] for a in above) + k.shape[0])
+    query_lengths = [q.shape[0] for q in queries]
+    device = queries[0].device
+
+    def cumulative(lengths: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+    attended = varlen_attn(
+        torch.cat(list(queries)),
+        torch.cat(runs_keys),
+        torch.cat(runs_values),
+        cumulative(query_lengths),
+        cumulative(key_lengths),
+        max(query_lengths),
+        max(key_lengths),
+        window_size=(-1, 0),
+        enable_gqa=True,
+    )
+    assert isinstance(attended, torch.Tensor)
+    return attended
+
+
 def causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -130,16 +178,18 @@ def causal_attention(
     """Causal GQA attention within each packed sequence; no token sees another sequence.
 
     With ``ancestors`` the spans of ``cu_seqlens`` are the runs of a prefix tree: a run
-    attends to every key of the runs above it, then causally to its own.
+    attends to every key of the runs above it, then causally to its own. On CUDA in
+    bf16/fp16 this is one varlen flash-attention call; elsewhere one SDPA per sequence.
     """
     lengths = [end - start for start, end in itertools.pairwise(cu_seqlens)]
-    # One causal attention per sequence: linear in the number of sequences and exactly
-    # the computation a varlen (cu_seqlens) kernel does on GPU. ``split``, not a slice per
-    # sequence: a slice's backward writes its gradient into a zeroed tensor of the whole
-    # stream, which made the backward quadratic in the number of sequences (40% of an
-    # SFT step of the small model); a split's backward is one concatenation (and a run's
-    # keys gathered with ``cat`` likewise send their gradients back without a fill).
+    # ``split``, not a slice per sequence: a slice's backward writes its gradient into a
+    # zeroed tensor of the whole stream, which made the backward quadratic in the number
+    # of sequences (40% of an SFT step of the small model); a split's backward is one
+    # concatenation (and a run's keys gathered with ``cat`` likewise send their gradients
+    # back without a fill).
     queries, keys, values = query.split(lengths), key.split(lengths), value.split(lengths)
+    if varlen_runs(query.device, query.dtype):
+        return _varlen_attention(queries, keys, values, ancestors)
     outputs = []
     for run, (q, k, v) in enumerate(zip(queries, keys, values, strict=True)):
         above = ancestors[run] if ancestors is not None else ()
