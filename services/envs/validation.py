@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.api.v1 import envs_pb2
-from services.messages import require_relative_path, validate_task
+from services.messages import require_command, validate_grading, validate_task
 from services.wire.errors import require, require_identifier, require_range
 
 MAX_FORKS = 256
@@ -23,23 +23,15 @@ def validate_fork(request: envs_pb2.ForkWorkspaceRequest) -> None:
 
 
 def validate_exec(request: envs_pb2.ExecRequest) -> None:
-    """A workspace, a non-empty argv and a timeout within bounds."""
+    """A workspace, an argv and environment the kernel can exec (no NUL byte, within
+    Linux's sizes; ``services.messages.require_command``) and a timeout within bounds."""
     require_identifier(request.workspace_id, "workspace_id")
-    require(len(request.argv) > 0, "argv", "must not be empty")
-    require(bool(request.argv[0]), "argv[0]", "must not be empty")
+    require_command(request.argv, "argv", request.env, "env")
     require_range(request.timeout_s, "timeout_s", 0, MAX_EXEC_TIMEOUT_S)
-    for name in request.env:
-        require(
-            bool(name) and "=" not in name and "\x00" not in name,
-            f"env[{name!r}]",
-            "is not a valid environment variable name",
-        )
 
 
 def validate_grade(request: envs_pb2.GradeRequest) -> None:
-    """A workspace and, when given, a grading command."""
+    """A workspace and, when given, a grading command, files and timeout."""
     require_identifier(request.workspace_id, "workspace_id")
     if request.HasField("grading"):
-        require(len(request.grading.command) > 0, "grading.command", "must not be empty")
-        for index, file in enumerate(request.grading.hidden_files):
-            require_relative_path(file.path, f"grading.hidden_files[{index}].path")
+        validate_grading(request.grading, "grading")

@@ -194,6 +194,7 @@ class ReconcilerServicer(reconciler_pb2_grpc.ReconcilerServiceServicer):
     async def WatchPolicyVersions(
         self, request: reconciler_pb2.WatchPolicyVersionsRequest, context: aio.ServicerContext
     ) -> AsyncIterator[common_pb2.PolicyVersionNotice]:
+        validation.validate_watch_policy_versions(request)
         store = self._service.blocking_store
         # The newest version at once (if newer); then every later one as it is published.
         notices, last_id = await store.version_notices(request.after_version)

@@ -1,16 +1,28 @@
-"""Checks of reconciler requests; each failure names the field (INVALID_ARGUMENT)."""
+"""Checks of reconciler requests; each failure names the field (INVALID_ARGUMENT).
+
+Before these run, every request passed the checks the server makes from the
+descriptors (``services.wire.requests``): known enum values, finite floats, 64-bit
+integers within ±(2^53 - 1). Versions and steps are at most MAX_VERSION, so the Lua
+scripts, which hold numbers as doubles, keep them exact.
+"""
 
 from __future__ import annotations
 
 import re
 
 from services.api.v1 import common_pb2, reconciler_pb2
-from services.messages import validate_object_ref, validate_task
-from services.wire.errors import require, require_identifier, require_range
+from services.messages import require_object_key, validate_object_ref, validate_task
+from services.wire.errors import require, require_identifier, require_range, require_text
+from services.wire.requests import MAX_EXACT_INT
 
 MAX_GROUP_SIZE = 1024
-_GROUP_ID = re.compile(r"^[0-9a-f]{16}$")
-_SLOT_ID = re.compile(r"^[0-9a-f]{16}/[0-9]{1,4}$")
+# Policy versions and trainer steps: 0 .. 2^53 - 1.
+MAX_VERSION = MAX_EXACT_INT
+MAX_STEP = MAX_EXACT_INT
+MAX_TOKEN_BYTES = 256
+MAX_REASON_BYTES = 4096
+_GROUP_ID = re.compile(r"\A[0-9a-f]{16}\Z")
+_SLOT_ID = re.compile(r"\A[0-9a-f]{16}/[0-9]{1,4}\Z")
 MAX_GROUPS_PER_CALL = 10_000
 MAX_SLOTS_PER_CLAIM = 256
 MAX_LEASES_PER_HEARTBEAT = 1024
@@ -34,10 +46,11 @@ def validate_submit_groups(request: reconciler_pb2.SubmitGroupsRequest) -> None:
         require_range(group.num_samples, f"{field}.num_samples", 1, MAX_GROUP_SIZE)
         require_range(group.priority, f"{field}.priority", -MAX_PRIORITY, MAX_PRIORITY)
         require(
-            group.kind != common_pb2.SLOT_KIND_UNSPECIFIED,
+            group.kind in (common_pb2.SLOT_KIND_TRAIN, common_pb2.SLOT_KIND_EVAL),
             f"{field}.kind",
             "must be SLOT_KIND_TRAIN or SLOT_KIND_EVAL",
         )
+        require_range(group.min_policy_version, f"{field}.min_policy_version", 0, MAX_VERSION)
         if group.idempotency_key:
             require_identifier(group.idempotency_key, f"{field}.idempotency_key")
 
@@ -73,6 +86,7 @@ def validate_lease(slot_id: str, lease_token: str, prefix: str = "") -> None:
         f"{slot_id[:80]!r} is not a slot id ('<16 hex digits>/<index>')",
     )
     require(bool(lease_token), f"{prefix}lease_token", "must not be empty")
+    require_text(lease_token, f"{prefix}lease_token", MAX_TOKEN_BYTES)
 
 
 def validate_heartbeat_slots(request: reconciler_pb2.HeartbeatSlotsRequest) -> None:
@@ -101,12 +115,15 @@ def validate_fail_slot(request: reconciler_pb2.FailSlotRequest) -> None:
     """A lease and a reason."""
     validate_lease(request.slot_id, request.lease_token)
     require(bool(request.reason), "reason", "must not be empty")
+    require_text(request.reason, "reason", MAX_REASON_BYTES)
 
 
 def validate_pull_batch(request: reconciler_pb2.PullBatchRequest) -> None:
     """A consumer id, 1..MAX_GROUPS_PER_CALL groups, a wait of at most an hour."""
     require_identifier(request.consumer_id, "consumer_id")
     require_range(request.num_groups, "num_groups", 1, MAX_GROUPS_PER_CALL)
+    require_range(request.step, "step", 0, MAX_STEP)
+    require_range(request.current_policy_version, "current_policy_version", 0, MAX_VERSION)
     require_range(request.wait_s, "wait_s", 0, 3600)
 
 
@@ -118,15 +135,21 @@ def validate_watch_groups(request: reconciler_pb2.WatchGroupsRequest) -> None:
 
 
 def validate_publish(request: reconciler_pb2.PublishPolicyVersionRequest) -> None:
-    """A notice with a version >= 1 and its manifest key."""
+    """A notice with a version in 1..MAX_VERSION and its manifest key."""
     require(request.HasField("notice"), "notice", "must be set")
-    require(request.notice.version >= 1, "notice.version", "must be >= 1")
-    require(bool(request.notice.manifest_key), "notice.manifest_key", "must not be empty")
+    require_range(request.notice.version, "notice.version", 1, MAX_VERSION)
+    require_object_key(request.notice.manifest_key, "notice.manifest_key")
+
+
+def validate_watch_policy_versions(request: reconciler_pb2.WatchPolicyVersionsRequest) -> None:
+    """A version to start after, in 0..MAX_VERSION."""
+    require_range(request.after_version, "after_version", 0, MAX_VERSION)
 
 
 def validate_commit_batch(request: reconciler_pb2.CommitBatchRequest) -> None:
     """A consumer id and well-formed group ids."""
     require_identifier(request.consumer_id, "consumer_id")
+    require_range(request.step, "step", 0, MAX_STEP)
     _require_count(len(request.group_ids), "group_ids", MAX_GROUPS_PER_CALL, at_least_one=False)
     for index, group_id in enumerate(request.group_ids):
         validate_group_id(group_id, f"group_ids[{index}]")

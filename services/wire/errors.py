@@ -58,7 +58,8 @@ class Unimplemented(ServiceError):
 
 T = TypeVar("T")
 
-_IDENTIFIER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}$")
+# \A and \Z: '$' would also match before a trailing newline.
+_IDENTIFIER = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}\Z")
 
 
 def require(condition: bool, field: str, problem: str) -> None:
@@ -78,8 +79,22 @@ def require_identifier(value: str, field: str) -> None:
 
 
 def require_range(value: float, field: str, low: float, high: float) -> None:
-    """low <= value <= high."""
-    require(low <= value <= high, field, f"must be in [{low:g}, {high:g}], got {value:g}")
+    """low <= value <= high (NaN is outside every range)."""
+    if not low <= value <= high:
+
+        def shown(number: float) -> str:
+            return str(number) if isinstance(number, int) else f"{number:g}"
+
+        raise InvalidArgument(
+            field, f"must be in [{shown(low)}, {shown(high)}], got {shown(value)}"
+        )
+
+
+def require_text(value: str, field: str, most_bytes: int) -> None:
+    """Free text (a reason, a token): at most `most_bytes` bytes of UTF-8, no NUL byte."""
+    size = len(value.encode())
+    require(size <= most_bytes, field, f"at most {most_bytes} bytes, got {size}")
+    require("\x00" not in value, field, "must not contain a NUL byte")
 
 
 async def unimplemented_stream(message: str, item_type: type[T]) -> AsyncIterator[T]:

@@ -1,8 +1,16 @@
-"""Server interceptors: bearer-token auth, and errors + Prometheus metrics.
+"""Server interceptors: bearer-token auth, and decoding, errors + Prometheus metrics.
 
 Order on the server (outermost first): OpenTelemetry (a span for every call,
-also rejected ones), ``ObservedCalls`` (maps ServiceError to a status, counts and
-times every call), ``BearerTokenAuth`` (rejects callers without the token).
+also rejected ones), ``ObservedCalls`` (decodes and checks the request, maps
+ServiceError to a status, counts and times every call), ``BearerTokenAuth``
+(rejects callers without the token).
+
+Request bodies are parsed inside the chain, not by gRPC before it: a call that
+fails authentication is answered UNAUTHENTICATED without its body ever being
+parsed, and a body that does not parse is INVALID_ARGUMENT with a short message
+and a rate-limited WARNING (``services.wire.requests``), never UNKNOWN with a
+traceback. Request-streaming methods (only server reflection has one) are parsed
+by gRPC as before.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from grpc import aio
 from prometheus_client import Counter, Histogram
 
 from services.wire.errors import ServiceError
+from services.wire.requests import RateLimitedLog, request_decoder
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +97,20 @@ def _rpc_type(handler: grpc.RpcMethodHandler) -> str:
 
 
 def _replace_behavior(
-    handler: grpc.RpcMethodHandler, unary: Behavior, streaming: Behavior
+    handler: grpc.RpcMethodHandler,
+    unary: Behavior,
+    streaming: Behavior,
+    *,
+    raw_request: bool = False,
 ) -> grpc.RpcMethodHandler:
-    """The same handler type and (de)serializers with a new behavior."""
+    """The same handler type and serializers with a new behavior. With `raw_request`, a
+    unary request reaches the behavior as the bytes on the wire (it parses them itself)."""
     make = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
     behavior = streaming if handler.response_streaming else unary
+    keep = handler.request_streaming or not raw_request
     return make(
         behavior,
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=handler.request_deserializer if keep else None,
         response_serializer=handler.response_serializer,
     )
 
@@ -137,7 +152,8 @@ class BearerTokenAuth(aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
             yield  # pragma: no cover - abort raises
 
-        return _replace_behavior(handler, deny_unary, deny_streaming)
+        # The body of a call refused here is never parsed.
+        return _replace_behavior(handler, deny_unary, deny_streaming, raw_request=True)
 
 
 class ObservedCalls(aio.ServerInterceptor):
@@ -149,6 +165,7 @@ class ObservedCalls(aio.ServerInterceptor):
 
     def __init__(self, classify: Callable[[Exception], ServiceError | None] | None = None) -> None:
         self._classify = classify or (lambda error: None)
+        self._bad_bodies = RateLimitedLog(log)
 
     async def intercept_service(
         self,
@@ -162,6 +179,11 @@ class ObservedCalls(aio.ServerInterceptor):
         rpc_type = _rpc_type(handler)
         labels = (service, method, rpc_type)
         behavior = _original_behavior(handler)
+        deserializer = handler.request_deserializer
+        if handler.request_streaming or deserializer is None:
+            decode: Callable[[Any], Any] = lambda request: request  # noqa: E731
+        else:
+            decode = request_decoder(deserializer, handler_call_details.method, self._bad_bodies)
 
         async def fail(context: aio.ServicerContext, error: Exception) -> None:
             if isinstance(error, ServiceError):
@@ -192,7 +214,7 @@ class ObservedCalls(aio.ServerInterceptor):
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                result = behavior(request, context)
+                result = behavior(decode(request), context)
                 if inspect.isawaitable(result):
                     result = await result
                 code = code_of(context, grpc.StatusCode.OK)
@@ -214,7 +236,7 @@ class ObservedCalls(aio.ServerInterceptor):
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
-                result = behavior(request, context)
+                result = behavior(decode(request), context)
                 if hasattr(result, "__aiter__"):
                     async for item in result:
                         yield item
@@ -236,4 +258,4 @@ class ObservedCalls(aio.ServerInterceptor):
             finally:
                 finish(started, code)
 
-        return _replace_behavior(handler, unary, streaming)
+        return _replace_behavior(handler, unary, streaming, raw_request=True)

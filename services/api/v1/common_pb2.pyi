@@ -5,6 +5,15 @@ Messages shared by every Etude service: tasks, rollouts, object references,
 service status. Bulk data (weights, token records, routed experts of whole
 rollouts) travels through the object store; these messages carry keys and
 checksums for it.
+
+Ranges every server enforces on every request, from these descriptors, before a
+servicer sees it (INVALID_ARGUMENT naming the field otherwise):
+  - an enum field holds one of the values its enum defines;
+  - a float or double field is finite (no NaN, no infinity);
+  - a 64-bit integer field lies within +-(2^53 - 1) = +-9007199254740991, so it is
+    exact in Redis Lua scripts, JSON and doubles;
+  - the body parses (after authentication: a caller without the token learns nothing).
+Each method's own ranges are documented on its fields.
 """
 
 from collections import abc as _abc
@@ -111,7 +120,11 @@ class ObjectRef(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
     key: _builtins.str
-    """Key relative to the store root, e.g. "rollouts/local/<group>/<sample>.pb"."""
+    """Key relative to the store root, e.g. "rollouts/local/<group>/<sample>.pb":
+    '/'-separated parts of letters, digits and "._=+@,:-", each starting with a
+    letter, digit or '_' (so no "", "." or ".." part, no leading '/'); at most 1,024
+    bytes. Every service checks a key where it enters (services/messages.py).
+    """
     size_bytes: _builtins.int
     sha256: _builtins.str
     """Lower-case hex SHA-256 of the stored bytes."""
@@ -241,7 +254,9 @@ class WorkspaceFile(_message.Message):
     CONTENT_FIELD_NUMBER: _builtins.int
     EXECUTABLE_FIELD_NUMBER: _builtins.int
     path: _builtins.str
-    """Relative POSIX path inside the workspace; never absolute, never ".."."""
+    """Relative POSIX path inside the workspace; never absolute, no "", "." or ".."
+    part, no control character; at most 4,096 bytes, 255 a part.
+    """
     content: _builtins.bytes
     executable: _builtins.bool
     def __init__(
@@ -270,10 +285,13 @@ class GradingSpec(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     REWARD_MODE_FIELD_NUMBER: _builtins.int
     timeout_s: _builtins.float
+    """Seconds, in [0, 3600]; 0 means the service default."""
     reward_mode: Global___RewardMode.ValueType
     @_builtins.property
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """argv run in the workspace at grading time."""
+        """argv run in the workspace at grading time: 1-4,096 arguments, the first not
+        empty, none with a NUL byte, each at most 128 KiB, 1 MiB in all.
+        """
 
     @_builtins.property
     def hidden_files(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkspaceFile]:
@@ -331,7 +349,9 @@ class Task(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     DIFFICULTY_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
-    """Stable id, unique within its family ("synthetic/train/00042", "HumanEval/17")."""
+    """Stable id, unique within its family ("synthetic/train/00042", "HumanEval/17"):
+    1-256 letters, digits and "._:/-", starting with a letter or digit (as every id).
+    """
     family: _builtins.str
     """Task family folder: "synthetic", "humaneval", "repo"."""
     split: _builtins.str
@@ -440,8 +460,9 @@ class PolicyVersionNotice(_message.Message):
     KEYFRAME_FIELD_NUMBER: _builtins.int
     PUBLISHED_AT_FIELD_NUMBER: _builtins.int
     version: _builtins.int
+    """1 .. 2^53 - 1."""
     manifest_key: _builtins.str
-    """Object-store key of the version's manifest.json."""
+    """Object-store key of the version's manifest.json (an ObjectRef.key)."""
     keyframe: _builtins.bool
     """The version is a full keyframe (not a delta against version - 1)."""
     published_at: _builtins.float

@@ -5,6 +5,15 @@ Messages shared by every Etude service: tasks, rollouts, object references,
 service status. Bulk data (weights, token records, routed experts of whole
 rollouts) travels through the object store; these messages carry keys and
 checksums for it.
+
+Ranges every server enforces on every request, from these descriptors, before a
+servicer sees it (INVALID_ARGUMENT naming the field otherwise):
+  - an enum field holds one of the values its enum defines;
+  - a float or double field is finite (no NaN, no infinity);
+  - a 64-bit integer field lies within +-(2^53 - 1) = +-9007199254740991, so it is
+    exact in Redis Lua scripts, JSON and doubles;
+  - the body parses (after authentication: a caller without the token learns nothing).
+Each method's own ranges are documented on its fields.
 """
 
 from collections import abc as _abc

@@ -173,14 +173,20 @@ class ExecRequest(_message.Message):
     ENV_FIELD_NUMBER: _builtins.int
     workspace_id: _builtins.str
     timeout_s: _builtins.float
-    """Wall-clock limit; 0 means the service default."""
+    """Wall-clock limit in seconds, 0 .. 3,600; 0 means the service default."""
     stdin: _builtins.bytes
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Command and arguments; no shell unless argv asks for one."""
+        """Command and arguments; no shell unless argv asks for one. 1-4,096 arguments, the
+        first not empty, none with a NUL byte, each at most 128 KiB; with env, 1 MiB in all.
+        """
 
     @_builtins.property
-    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """At most 1,024 variables; names of letters, digits and '_' (not starting with a
+        digit, at most 256), values without a NUL byte, each at most 128 KiB.
+        """
+
     def __init__(
         self,
         *,

@@ -50,6 +50,6 @@ for i = 4, #ARGV do commit_group(ARGV[i]) end
 redis.call('ZREMRANGEBYSCORE', steps_key, '-inf', step)
 local ck = P .. ':consumer:' .. consumer
 if step > tonumber(redis.call('HGET', ck, 'committed_step') or '-1') then
-  redis.call('HSET', ck, 'committed_step', step)
+  redis.call('HSET', ck, 'committed_step', ARGV[2])
 end
 return committed

@@ -4,10 +4,13 @@
 -- Returns {group_ids, staleness_of_each, num_dropped, num_requeued, repeated (0/1)}.
 -- Pulling a step again returns the same groups (a trainer that crashed before its
 -- commit gets back exactly what it had); a committed step cannot be pulled again.
+-- Steps and versions are at most 2^53 - 1 (checked at the RPC boundary): exact as Lua
+-- numbers, and stored and joined into keys as the caller's decimal text (Lua's own
+-- number-to-text keeps only 14 digits).
 local consumer, step, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local current, max_stale, policy = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local decay, anchor, partial = tonumber(ARGV[7]), ARGV[8], ARGV[9] == '1'
-local list = P .. ':consumed:' .. consumer .. ':' .. step
+local list = P .. ':consumed:' .. consumer .. ':' .. ARGV[2]
 local existing = redis.call('LRANGE', list, 0, -1)
 if #existing > 0 then
   local staleness = {}
@@ -16,10 +19,11 @@ if #existing > 0 then
   end
   return {existing, staleness, 0, 0, 1}
 end
-local committed = tonumber(redis.call('HGET', P .. ':consumer:' .. consumer, 'committed_step') or '-1')
+local committed_text = redis.call('HGET', P .. ':consumer:' .. consumer, 'committed_step') or '-1'
+local committed = tonumber(committed_text)
 if step <= committed then
-  return redis.error_reply('PRECONDITION step ' .. step .. ' of ' .. consumer ..
-    ' is committed (committed through step ' .. committed .. ')')
+  return redis.error_reply('PRECONDITION step ' .. ARGV[2] .. ' of ' .. consumer ..
+    ' is committed (committed through step ' .. committed_text .. ')')
 end
 
 local function requeue(gid)
@@ -67,9 +71,9 @@ end
 if #take < n and not partial then return {{}, {}, dropped, requeued, 0} end
 for _, gid in ipairs(take) do
   redis.call('ZREM', P .. ':ready', gid)
-  redis.call('HSET', group_key(gid), 'consumer', consumer, 'step', step)
+  redis.call('HSET', group_key(gid), 'consumer', consumer, 'step', ARGV[2])
   group_state(gid, 'READY', 'CONSUMED')
   redis.call('RPUSH', list, gid)
 end
-if #take > 0 then redis.call('ZADD', P .. ':consumer_steps:' .. consumer, step, step) end
+if #take > 0 then redis.call('ZADD', P .. ':consumer_steps:' .. consumer, ARGV[2], ARGV[2]) end
 return {take, staleness, dropped, requeued, 0}
