@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 import zlib
 
-import grpc
 from grpc import aio
 
 from services import routed_experts
 from services.api.v1 import inference_pb2, inference_pb2_grpc
 from services.envs.harness import Generation
+from services.wire.retry import RetryPolicy, retrying
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +19,10 @@ class InferenceGenerator:
     """Calls InferenceService.Generate with the rollout's sampling settings.
 
     A replica that is UNAVAILABLE (restarting, still loading, gone mid-stream) is waited
-    for, with backoff, up to ``unavailable_wait_s``; the call then starts over (tokens of a
-    broken stream are dropped). Counting such a fault as a failed rollout attempt would
-    burn the slot's attempts in a second while a replica restarts.
+    for, with backoff (0.25 s doubling to 5 s), up to ``unavailable_wait_s``; the call then
+    starts over (tokens of a broken stream are dropped). Counting such a fault as a failed
+    rollout attempt would burn the slot's attempts in a second while a replica restarts;
+    the channel's own retry policy cannot wait that long (``services.wire.retry``).
     """
 
     def __init__(
@@ -49,17 +48,10 @@ class InferenceGenerator:
         request = inference_pb2.GenerateRequest(
             prompt_token_ids=prompt, sampling=sampling, return_routed_experts=True
         )
-        deadline = time.monotonic() + self.unavailable_wait_s
-        delay = 0.25
-        while True:
-            try:
-                return await self._generate(request)
-            except aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-                log.info("inference unavailable (%s); retrying in %.1f s", error.details(), delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        policy = RetryPolicy(
+            initial_backoff_s=0.25, max_backoff_s=5.0, deadline_s=self.unavailable_wait_s
+        )
+        return await retrying(lambda: self._generate(request), policy, "inference Generate")
 
     async def _generate(self, request: inference_pb2.GenerateRequest) -> Generation:
         token_ids: list[int] = []

@@ -17,14 +17,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 
 import grpc
 from grpc import aio
 
 from services.api.v1 import common_pb2, reconciler_pb2, reconciler_pb2_grpc
+from services.wire.retry import RetryPolicy, resume_stream, retrying
 
 log = logging.getLogger(__name__)
+
+# A watch is reopened half a second after an outage, for as long as the outage lasts.
+WATCH_RETRY = RetryPolicy(initial_backoff_s=0.5, max_backoff_s=0.5)
+# The trainer's PullBatch and CommitBatch: an outage pauses training rather than ending
+# it, and so does a reconciler that does not answer within the call's deadline.
+TRAINER_RETRY = RetryPolicy(
+    codes=frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}),
+    initial_backoff_s=0.5,
+    max_backoff_s=10.0,
+)
 
 _DONE_STATES = {
     reconciler_pb2.GROUP_STATE_READY,
@@ -193,9 +204,10 @@ class LeaseKeeper:
 class ReconcilerClient:
     """The reconciler's API over one channel (see services.wire.client.make_channel)."""
 
-    def __init__(self, channel: aio.Channel) -> None:
+    def __init__(self, channel: aio.Channel, trainer_retry: RetryPolicy = TRAINER_RETRY) -> None:
         self.stub = reconciler_pb2_grpc.ReconcilerServiceStub(channel)
         self.leases = LeaseKeeper(self)
+        self.trainer_retry = trainer_retry
 
     # Submitters -------------------------------------------------------------------------
     async def submit_many(self, specs: Sequence[reconciler_pb2.GroupSpec]) -> list[GroupFuture]:
@@ -226,30 +238,30 @@ class ReconcilerClient:
     async def as_completed(self, futures: Iterable[GroupFuture]) -> AsyncIterator[GroupFuture]:
         """Yields each future as its group becomes ready or is dropped.
 
-        The watch is re-opened when it ends on the channel's deadline or an outage, so
-        this waits as long as it takes; bound it with ``asyncio.timeout``.
+        The watch is re-opened when it ends on the channel's deadline or an outage
+        (``WATCH_RETRY``), so this waits as long as it takes; bound it with
+        ``asyncio.timeout``.
         """
         futures = list(futures)
         waiting = {f.group_id: f for f in futures if not f.done()}
         for done in (f for f in futures if f.done()):
             yield done
-        while waiting:
+        if not waiting:
+            return
+
+        def watch() -> AsyncIterable[reconciler_pb2.GroupEvent]:  # the groups still open
             request = reconciler_pb2.WatchGroupsRequest(group_ids=list(waiting))
-            try:
-                async for event in self.stub.WatchGroups(request):
-                    future = waiting.get(event.group_id)
-                    if future is not None and future._settle(event):
-                        del waiting[event.group_id]
-                        yield future
-            except aio.AioRpcError as error:
-                if error.code() not in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                ):
-                    raise
-                if error.code() == grpc.StatusCode.UNAVAILABLE:
-                    log.warning("watch interrupted (%s); resuming", error.details())
-                    await asyncio.sleep(0.5)
+            events: AsyncIterable[reconciler_pb2.GroupEvent] = self.stub.WatchGroups(request)
+            return events
+
+        async with contextlib.aclosing(resume_stream(watch, WATCH_RETRY, "WatchGroups")) as events:
+            async for event in events:
+                future = waiting.get(event.group_id)
+                if future is not None and future._settle(event):
+                    del waiting[event.group_id]
+                    yield future
+                    if not waiting:
+                        return
 
     async def get_group(self, group_id: str) -> reconciler_pb2.Group:
         """The group's current record."""
@@ -288,47 +300,56 @@ class ReconcilerClient:
     async def pull_batch(
         self, consumer_id: str, step: int, num_groups: int, current_version: int, wait_s: float = 0
     ) -> reconciler_pb2.PullBatchResponse:
-        """Ready groups for `step` (the same ones again if this step was pulled before)."""
-        answer: reconciler_pb2.PullBatchResponse = await self.stub.PullBatch(
-            reconciler_pb2.PullBatchRequest(
-                consumer_id=consumer_id,
-                step=step,
-                num_groups=num_groups,
-                current_policy_version=current_version,
-                wait_s=wait_s,
-            ),
-            timeout=wait_s + 30,
+        """Ready groups for `step` (the same ones again if this step was pulled before);
+        retried through an outage by ``trainer_retry``."""
+        request = reconciler_pb2.PullBatchRequest(
+            consumer_id=consumer_id,
+            step=step,
+            num_groups=num_groups,
+            current_policy_version=current_version,
+            wait_s=wait_s,
         )
-        return answer
+
+        async def pull() -> reconciler_pb2.PullBatchResponse:
+            answer: reconciler_pb2.PullBatchResponse = await self.stub.PullBatch(
+                request, timeout=wait_s + 30
+            )
+            return answer
+
+        return await retrying(pull, self.trainer_retry, "PullBatch")
 
     async def commit(self, consumer_id: str, step: int, group_ids: Sequence[str] = ()) -> int:
-        """Marks everything pulled for steps <= `step` (and `group_ids`) as trained."""
-        answer = await self.stub.CommitBatch(
-            reconciler_pb2.CommitBatchRequest(
-                consumer_id=consumer_id, step=step, group_ids=group_ids
-            )
+        """Marks everything pulled for steps <= `step` (and `group_ids`) as trained;
+        retried through an outage by ``trainer_retry`` (committing twice is harmless)."""
+        request = reconciler_pb2.CommitBatchRequest(
+            consumer_id=consumer_id, step=step, group_ids=group_ids
         )
-        return int(answer.num_committed)
+
+        async def commit() -> int:
+            return int((await self.stub.CommitBatch(request)).num_committed)
+
+        return await retrying(commit, self.trainer_retry, "CommitBatch")
 
     async def policy_versions(self, after_version: int = 0) -> AsyncIterator[int]:
         """Each newer published version, as announced (the newest at once if newer);
-        the watch is re-opened after outages and deadlines, without repeats."""
+        the watch is re-opened after outages and deadlines (``WATCH_RETRY``), without
+        repeats."""
         last = after_version
-        while True:
+
+        def watch() -> AsyncIterable[common_pb2.PolicyVersionNotice]:  # from the last seen
             request = reconciler_pb2.WatchPolicyVersionsRequest(after_version=last)
-            try:
-                async for notice in self.stub.WatchPolicyVersions(request):
-                    if notice.version > last:
-                        last = notice.version
-                        yield last
-            except aio.AioRpcError as error:
-                if error.code() not in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                ):
-                    raise
-                if error.code() == grpc.StatusCode.UNAVAILABLE:
-                    await asyncio.sleep(0.5)
+            notices: AsyncIterable[common_pb2.PolicyVersionNotice] = self.stub.WatchPolicyVersions(
+                request
+            )
+            return notices
+
+        async with contextlib.aclosing(
+            resume_stream(watch, WATCH_RETRY, "WatchPolicyVersions")
+        ) as notices:
+            async for notice in notices:
+                if notice.version > last:
+                    last = notice.version
+                    yield last
 
     async def publish_version(self, notice: common_pb2.PolicyVersionNotice) -> int:
         """Announces a published policy version; returns the current one."""

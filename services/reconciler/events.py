@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-log = logging.getLogger(__name__)
+from services.wire.retry import RetryPolicy, resume_stream
+
+# Resubscribe 0.1 s after an outage, doubling to 5 s, for as long as it lasts; the
+# confirmation of a new subscription starts the backoff over.
+REDIS_RETRY = RetryPolicy(
+    codes=frozenset(),
+    errors=(RedisConnectionError, RedisTimeoutError, OSError),
+    initial_backoff_s=0.1,
+    max_backoff_s=5.0,
+)
 
 
 class GroupEvents:
@@ -43,22 +52,18 @@ class GroupEvents:
                     del self._watchers[gid]
 
     async def run(self) -> None:
-        """Listens until cancelled, reconnecting after Redis outages."""
-        delay = 0.1
-        while True:
-            try:
-                async with self._redis.pubsub() as pubsub:
-                    await pubsub.subscribe(self._channel)
-                    delay = 0.1
-                    async for message in pubsub.listen():
-                        if message["type"] != "message":
-                            continue
-                        gid, _, state = message["data"].decode().partition(" ")
-                        for queue in self._watchers.get(gid, ()):
-                            queue.put_nowait((gid, state))
-            except (RedisConnectionError, RedisTimeoutError, OSError) as error:
-                log.warning(
-                    "group events: redis unavailable (%s); retrying in %.1f s", error, delay
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        """Listens until cancelled, resubscribing after Redis outages (``REDIS_RETRY``)."""
+        messages = resume_stream(self._messages, REDIS_RETRY, "group events subscription")
+        async for message in messages:
+            if message["type"] != "message":
+                continue
+            gid, _, state = message["data"].decode().partition(" ")
+            for queue in self._watchers.get(gid, ()):
+                queue.put_nowait((gid, state))
+
+    async def _messages(self) -> AsyncIterator[dict[str, Any]]:
+        """One subscription's messages, its subscribe confirmation first."""
+        async with self._redis.pubsub() as pubsub:
+            await pubsub.subscribe(self._channel)
+            async for message in pubsub.listen():
+                yield message

@@ -1,9 +1,10 @@
 """Client channels to other services: auth, deadlines, retries, tracing.
 
 Every call gets the bearer token, a default deadline when the caller set none,
-W3C trace context (OpenTelemetry), and gRPC's retry policy for UNAVAILABLE.
-Mutating RPCs of the platform are idempotent (lease tokens, idempotency keys),
-which is what makes retrying them safe.
+W3C trace context (OpenTelemetry), and gRPC's retry policy for UNAVAILABLE from the
+channel's service config: a few attempts for blips. Waiting out an outage, which that
+policy cannot do, is ``services.wire.retry``'s. Mutating RPCs of the platform are
+idempotent (lease tokens, idempotency keys), which is what makes retrying them safe.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ RETRYABLE_CODES = ("UNAVAILABLE",)
 
 
 def retry_service_config(max_attempts: int = 4) -> str:
-    """gRPC service config: retry UNAVAILABLE with exponential backoff, for every method."""
+    """gRPC service config: retry UNAVAILABLE with exponential backoff, for every method.
+
+    gRPC caps ``max_attempts`` at 5, and retries a streaming call only until its first
+    response arrives."""
     return json.dumps(
         {
             "methodConfig": [
