@@ -8,6 +8,7 @@ renders one snapshot as the live terminal panel of ``etude run``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import urllib.request
@@ -140,6 +141,27 @@ def snapshot(
         shot.update_pauses = int(pauses)
         shot.last_update_pause_s = (total or 0.0) / pauses  # the mean: the histogram's best
     return shot
+
+
+def step_lines(steps: list[dict[str, Any]], after: int, max_steps: int) -> list[str]:
+    """One plain line for each step record newer than step ``after``: what ``etude run``
+    prints when its console is not a terminal, where the live panel draws nothing until
+    it stops. Seconds are the wall time since the previous record (the first record's
+    own wait and compute time)."""
+    lines = []
+    for previous, record in itertools.pairwise([{}, *steps]):
+        if record["step"] <= after:
+            continue
+        if "time" in previous and "time" in record:
+            seconds = record["time"] - previous["time"]
+        else:
+            seconds = record.get("time_wait_s", 0.0) + record.get("time_compute_s", 0.0)
+        lines.append(
+            f"step {record['step']}/{max_steps or '-'}: version {_fmt(record.get('version'))}, "
+            f"reward {_fmt(record.get('reward_total_mean'))}, "
+            f"staleness {_fmt(record.get('staleness_mean'), 2)}, {seconds:.1f} s"
+        )
+    return lines
 
 
 def _fmt(value: Any, digits: int = 3) -> str:

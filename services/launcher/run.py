@@ -151,6 +151,7 @@ class LocalRun:
         self.phase = "starting"
         self._store: Any = None
         self.known_evals: dict[str, Any] = {}  # eval records read so far, by key
+        self.printed_step = 0  # the last step printed as a plain line (console not a terminal)
 
     # -- preparation ----------------------------------------------------------------
 
@@ -550,15 +551,18 @@ def _request_evals(run: LocalRun, live: Live, version: int, suites: list[str]) -
 
 
 def _training_view(run: LocalRun) -> Any:
-    from services.launcher.observe import snapshot, view
+    """The live panel; without a terminal, which draws no panel until it stops, also a
+    plain line for each new step."""
+    from services.launcher.observe import snapshot, step_lines, view
 
     job = run.config.trainer.job
-    return view(
-        snapshot(run.config, run.store, run.known_evals),
-        run.phase,
-        run.services_table(),
-        job.max_steps if job is not None else 0,
-    )
+    max_steps = job.max_steps if job is not None else 0
+    shot = snapshot(run.config, run.store, run.known_evals)
+    if not run.console.is_terminal and shot.steps:
+        for line in step_lines(shot.steps, run.printed_step, max_steps):
+            run.console.print(line)
+        run.printed_step = shot.steps[-1]["step"]
+    return view(shot, run.phase, run.services_table(), max_steps)
 
 
 def _trainer_done(run: LocalRun) -> bool:
