@@ -40,10 +40,19 @@ bench: setup ## run every benchmark (etude bench <name> --json)
 chart: setup ## render + lint + validate the Helm chart
 	$(PY) tools/chart_check.py
 
-images: ## build the five service images (docker; REGISTRY=... TAG=... to name them)
-	for svc in reconciler envs inference trainer evals; do \
-	  docker build -f services/$$svc/Dockerfile -t $(or $(REGISTRY),etude)/etude-$$svc:$(or $(TAG),dev) . || exit 1; \
-	done
+# One Dockerfile, built once per service (make image-<service> builds one); trainer and
+# inference start from CUDA_BASE, the others from the Dockerfile's slim Python
+# (BASE_IMAGE_<service>=... changes one; FLAVOR=cpu with an Ubuntu base: CPU inference).
+SERVICES  := reconciler envs inference trainer evals
+CUDA_BASE ?= nvidia/cuda:12.9.1-cudnn-runtime-ubuntu24.04
+BASE_IMAGE_trainer   ?= $(CUDA_BASE)
+BASE_IMAGE_inference ?= $(CUDA_BASE)
+
+images: $(SERVICES:%=image-%) ## build the five service images (docker; REGISTRY=... TAG=... to name them)
+
+image-%:
+	docker build --build-arg SERVICE=$* $(if $(BASE_IMAGE_$*),--build-arg BASE_IMAGE=$(BASE_IMAGE_$*)) \
+	  $(if $(FLAVOR),--build-arg FLAVOR=$(FLAVOR)) -t $(or $(REGISTRY),etude)/etude-$*:$(or $(TAG),dev) .
 
 clean: ## remove the venv and local run state
 	rm -rf $(VENV) .etude .mypy_cache .ruff_cache .pytest_cache
