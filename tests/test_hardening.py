@@ -7,16 +7,21 @@ dependency is asked.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import tempfile
+import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+import redis
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api.v1 import common_pb2, envs_pb2, envs_pb2_grpc, reconciler_pb2
 from services.envs.service import EnvsService
@@ -269,3 +274,42 @@ async def test_envs_garbage_bodies_are_unauthenticated_without_a_token(
         call = channel.unary_unary("/etude.v1.EnvService/Exec")
         code, _ = await _refused(call(b"\xff\xff", timeout=5))
         assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def _readiness(target: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="readiness"), timeout=2
+        )
+    return int(answer.status)
+
+
+def _wait_readiness(target: str, status: int, timeout_s: float) -> float:
+    started = time.monotonic()
+    while _readiness(target) != status:
+        assert time.monotonic() - started < timeout_s, f"readiness never became {status}"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def test_a_crashing_reaper_turns_readiness_off_and_is_restarted(
+    server: ReconcilerProcess,
+) -> None:
+    """Deliverable 5: the reaper used to die silently; now it is supervised."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    version_key = f"etude:{{{server.run_name}}}:version"
+    client = redis.Redis.from_url(server.redis_url)
+    try:
+        client.set(version_key, "not a number")  # the reaper's snapshot reads it
+        _wait_readiness(server.target, not_serving, 10)
+        with urllib.request.urlopen(f"{server.http}/status.json", timeout=5) as answer:
+            detail = json.load(answer)["ready_detail"]
+        assert "background task reaper crashed" in detail, detail
+        client.set(version_key, "0")
+        _wait_readiness(server.target, serving, 20)
+    finally:
+        client.close()
+    log = server.log()
+    assert "background task reaper crashed" in log and "Traceback" in log
+    assert "background task reaper recovered" in log

@@ -8,7 +8,6 @@ reconciler and runs rollouts (``services.envs.worker``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import tempfile
 from pathlib import Path
@@ -154,7 +153,6 @@ class EnvsService(Service):
             self.sandbox_problem = str(error)
             log.error("envs cannot run untrusted code: %s", error)
         self.worker: RolloutWorker | None = None
-        self._worker_task: asyncio.Task[None] | None = None
 
     def register(self, server: aio.Server) -> list[str]:
         envs_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(self), server)
@@ -185,20 +183,14 @@ class EnvsService(Service):
             lease_ttl_s=settings.lease_ttl_s,
         )
         self.worker = worker
-        self._worker_task = asyncio.create_task(worker.run(settings.workers))
+        # Supervised: workers that crashed are logged, restarted with backoff, and the
+        # service is not ready meanwhile (services.wire.supervise).
+        self.background.start("rollout-workers", lambda: worker.run(settings.workers))
 
     async def check_ready(self) -> Readiness:
         if self.workspaces is None:
             return Readiness(False, f"no sandbox: {self.sandbox_problem}")
-        if self._worker_task is not None and self._worker_task.done():
-            return Readiness(False, "rollout workers stopped")
         return Readiness(True, f"sandbox: {self.workspaces.sandbox.name}")
-
-    async def stop(self) -> None:
-        if self._worker_task is not None:
-            self._worker_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._worker_task
 
     def status_fields(self) -> dict[str, str]:
         fields = {"sandbox": self.workspaces.sandbox.name if self.workspaces else "none"}

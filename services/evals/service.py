@@ -156,7 +156,6 @@ class EvalsService(Service):
         self._report_task: asyncio.Task[None] | None = None
         self.report_refs: dict[str, common_pb2.ObjectRef] = {}
         self._report_lock = asyncio.Lock()
-        self._watch_task: asyncio.Task[None] | None = None
         self.watcher: VersionWatcher | None = None
 
     def register(self, server: aio.Server) -> list[str]:
@@ -182,7 +181,9 @@ class EvalsService(Service):
             evaluate=self._evaluate_enabled,
             last=last if last >= 0 else None,
         )
-        self._watch_task = asyncio.create_task(self.watcher.run())
+        # Supervised: a watcher that crashed is logged, restarted with backoff, and the
+        # service is not ready meanwhile (services.wire.supervise).
+        self.background.start("version-watcher", self.watcher.run)
 
     def _enabled(self) -> list[str]:
         """The suites the watcher scores."""
@@ -310,9 +311,8 @@ class EvalsService(Service):
         return None
 
     async def stop(self) -> None:
-        tasks: list[asyncio.Future[Any]] = [
-            t for t in (self._watch_task, self._report_task) if t is not None
-        ]
+        # The version watcher was stopped before this (services.wire.server).
+        tasks: list[asyncio.Future[Any]] = [t for t in (self._report_task,) if t is not None]
         tasks += [running.task for running in self.evaluator.running.values()]
         for task in tasks:
             task.cancel()

@@ -9,11 +9,9 @@ state is in Redis and every change is one atomic script.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 import uvloop
@@ -241,7 +239,6 @@ class ReconcilerService(Service):
         self.store = SlotStore(self.redis, config.run.name, config.reconciler)
         self.blocking_store = SlotStore(self.blocking_redis, config.run.name, config.reconciler)
         self.events = GroupEvents(self.blocking_redis, self.store.key("events"))
-        self._tasks: list[asyncio.Task[None]] = []
 
     def register(self, server: aio.Server) -> list[str]:
         reconciler_pb2_grpc.add_ReconcilerServiceServicer_to_server(
@@ -250,12 +247,20 @@ class ReconcilerService(Service):
         return [reconciler_pb2.DESCRIPTOR.services_by_name["ReconcilerService"].full_name]
 
     async def start(self) -> None:
-        loops: list[Coroutine[Any, Any, None]] = [self._reap_forever(), self.events.run()]
+        # A reaper that stopped would leave expired leases LEASED forever: it is
+        # supervised (restarted with backoff, readiness NOT_SERVING while it is down).
+        reap_interval = self.config.reconciler.reap_interval_s
+        self.background.start(
+            "reaper", self._reap_forever, healthy_after_s=max(1.0, 5 * reap_interval)
+        )
+        self.background.start("group-events", self.events.run)
         feeder_config = self.config.reconciler.feeder
         if feeder_config is not None:
             feeder = build_feeder(feeder_config)
-            loops.append(run_feeder(self.store, feeder, feeder_config, self.instance_id))
-        self._tasks = [asyncio.create_task(loop) for loop in loops]
+            self.background.start(
+                "feeder",
+                lambda: run_feeder(self.store, feeder, feeder_config, self.instance_id),
+            )
 
     async def _reap_forever(self) -> None:
         """Reaps expired leases and refreshes the metrics snapshot, riding out Redis outages."""
@@ -288,11 +293,7 @@ class ReconcilerService(Service):
         return Readiness(True, "redis answers")
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # The background loops were stopped before this (services.wire.server).
         await self.redis.aclose()
         await self.blocking_redis.aclose()
 

@@ -101,6 +101,8 @@ async def _monitor_readiness(
             own = await service.check_ready() if started.is_set() else service.readiness
             service.dependency_status = await service.probe_dependencies()
         waiting = [d.name for d in service.dependency_status if not d.ready]
+        if own.ready and (fault := service.background.fault()) is not None:
+            own = Readiness(False, fault)
         if own.ready and waiting:
             own = Readiness(False, f"waiting for {', '.join(waiting)}")
         if own != service.readiness:
@@ -185,6 +187,7 @@ async def serve(
             if task.get_name() != "http":
                 task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        await service.background.stop()
         await service.stop()
         await service.channels.close()
         log.info("%s stopped", service.name)

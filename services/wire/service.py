@@ -1,7 +1,8 @@
 """The shape every Etude service process has, and its readiness bookkeeping.
 
 A service subclasses ``Service``: it registers its servicers, acquires what it
-needs in ``start`` (which may take minutes: a vLLM engine), says whether it can
+needs in ``start`` (which may take minutes: a vLLM engine), runs its background
+loops under ``self.background`` (``services.wire.supervise``), says whether it can
 do its job in ``check_ready``, and lists the services it depends on. The shared
 runner (``services.wire.server``) does the rest: health, reflection, auth,
 metrics, tracing, the HTTP side, graceful shutdown.
@@ -27,6 +28,7 @@ from services.config import ServiceConfig, ServiceName
 from services.run_config import EtudeConfig
 from services.wire.client import Channels
 from services.wire.errors import ServiceError
+from services.wire.supervise import Supervisor
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -62,6 +64,9 @@ class Service(abc.ABC):
         self.instance_id = f"{socket.gethostname()}:{os.getpid()}"
         self.readiness = Readiness(False, "starting")
         self.dependency_status: list[common_pb2.DependencyStatus] = []
+        # Loops that run as long as the process (reaper, watchers, followers): started in
+        # `start`, restarted when they crash; the service is not ready while one is down.
+        self.background = Supervisor(self.name)
 
     @property
     def settings(self) -> ServiceConfig:
