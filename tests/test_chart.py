@@ -432,6 +432,8 @@ def test_alert_rules_pass_promtool_and_their_unit_tests() -> None:
         "EtudeServiceNotReady",
         "EtudeDependencyNotReady",
         "EtudeGrpcServerErrors",
+        "EtudePodDown",
+        "EtudeServiceAbsent",
         "EtudeWeightPublishLag",
         "EtudeWeightPublishFailures",
         "EtudeInferenceUpdateFailures",
@@ -460,6 +462,26 @@ def test_each_region_alerts_on_the_weights_it_handles() -> None:
     values |= {name: {"enabled": False} for name in ("envs", "inference", "trainer", "evals")}
     groups = chart_check.alert_rules(render(values))
     assert "etude.weights" not in {group["name"] for group in groups}
+
+
+def test_a_release_alerts_on_the_absence_of_the_services_it_runs() -> None:
+    """One EtudeServiceAbsent per enabled service: a region's release does not page for
+    the services another release runs."""
+    monitoring = chart_check.FEATURE_CASES["monitoring"]["metrics"]
+    expected = {
+        "region-train.yaml": {"reconciler", "trainer"},
+        "region-rollouts.yaml": {"envs", "inference", "evals"},
+        "single-region.yaml": {"reconciler", "envs", "inference", "trainer", "evals"},
+    }
+    for example, components in expected.items():
+        values = chart_check.load_values(chart_check.CHART / "examples" / example)
+        values["metrics"] = monitoring
+        rules = [r for g in chart_check.alert_rules(render(values)) for r in g["rules"]]
+        absent = {r["labels"]["component"] for r in rules if r["alert"] == "EtudeServiceAbsent"}
+        assert absent == components, example
+        for rule in rules:
+            if rule["alert"] == "EtudeServiceAbsent":
+                assert f'component="{rule["labels"]["component"]}"' in rule["expr"]
 
 
 def test_alert_unit_tests_fail_when_a_threshold_moves() -> None:

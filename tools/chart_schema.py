@@ -271,6 +271,8 @@ def chart_schema() -> Schema:
             noProgress=alert(window=DURATION),
             leaseExpiriesSpiking=alert(threshold=number(minimum=0), window=DURATION),
             serviceNotReady=alert(),
+            podDown=alert(),
+            serviceAbsent=alert(),
             grpcErrors=alert(threshold=number(minimum=0, maximum=1), window=DURATION),
             weightPublishLag=alert(
                 threshold=number(minimum=0), quantile=number(minimum=0, maximum=1), window=DURATION
