@@ -231,3 +231,55 @@ def test_packed_attention_and_its_gradients_equal_one_attention_per_sequence() -
             assert packed.grad is not None and alone.grad is not None
             torch.testing.assert_close(packed.grad[rows], alone.grad, atol=1e-5, rtol=1e-5)
         start += length
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients_bit_for_bit(
+    sharp_model: Path, shared: bool
+) -> None:
+    """Each decoder layer recomputed in backward routes and computes exactly as the first
+    pass: with router replay on half the tokens, and over a prefix tree."""
+    arch = Architecture.from_model_dir(sharp_model)
+    prompt = _sequences()[1][:20]
+    sequences = [prompt + s[:30] for s in _sequences()]  # a shared prefix for the tree
+    generator = torch.Generator().manual_seed(1)
+    replay = []
+    for sequence in sequences:
+        shape = (len(sequence) - 1, arch.num_layers, arch.top_k)
+        routes = torch.randint(0, arch.num_experts, shape, generator=generator)
+        routes[::2] = -1  # every other token routes by the router
+        replay.append(routes)
+    inputs_list = [s[:-1] for s in sequences]
+    targets = torch.tensor([t for s in sequences for t in s[1:]])
+    if shared:
+        trained = [[j >= len(prompt) - 1 for j in range(len(s))] for s in inputs_list]
+        inputs, source = PackedInputs.pack_shared(
+            inputs_list, trained, replay, num_layers=arch.num_layers, top_k=arch.top_k
+        )
+        assert len(source) < len(targets)  # the prompt is computed once
+        targets = targets[source]
+    else:
+        inputs = PackedInputs.pack(
+            inputs_list, replay, num_layers=arch.num_layers, top_k=arch.top_k
+        )
+    results = []
+    for recompute in (False, True):
+        model = load_pretrained(sharp_model, dtype=torch.float32)
+        model.activation_checkpointing = recompute
+        saved: list[int] = []
+
+        def keep(tensor: torch.Tensor, sizes: list[int] = saved) -> torch.Tensor:
+            sizes.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            output = model(inputs)
+        logprobs, _ = token_logprobs(model, output.hidden, targets)
+        logprobs.sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((logprobs.detach(), output.experts, grads, sum(saved)))
+    (logprobs, experts, grads, kept), (logprobs_r, experts_r, grads_r, kept_r) = results
+    assert kept_r < kept / 3  # the layers' activations were not kept for backward
+    assert torch.equal(logprobs, logprobs_r) and torch.equal(experts, experts_r)
+    assert len(grads) == len(grads_r) > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_r, strict=True))

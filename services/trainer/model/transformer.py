@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from services.dtypes import resolve_dtype
 from services.trainer.model.architecture import Architecture
@@ -306,6 +307,9 @@ class Qwen3MoE(nn.Module):
                 f"{precision.precision!r}"
             )
         self.model = Backbone(arch, precision, numerics)
+        # Recompute each decoder layer in backward instead of keeping its activations: the
+        # activation memory of one layer input per layer, for one more forward of compute.
+        self.activation_checkpointing = False
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPHead(arch) for _ in range(num_mtp_heads))
 
@@ -324,9 +328,10 @@ class Qwen3MoE(nn.Module):
         rope = rope_tables(inputs.position_ids, arch.head_dim, arch.rope_theta, self.dtype)
         chosen, replaced = [], []
         num_replayed = 0
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for index, layer in enumerate(self.model.layers):
             replay = None if inputs.replay_experts is None else inputs.replay_experts[:, index]
-            hidden, decision = layer(
+            args = (
                 hidden,
                 rope,
                 inputs.cu_seqlens,
@@ -335,6 +340,12 @@ class Qwen3MoE(nn.Module):
                 self.replay_min_prob_ratio,
                 inputs.ancestors,
             )
+            if recompute:
+                # Keeps only the block's input; backward runs the block again. The
+                # recomputation routes exactly as the first pass (same inputs, same bits).
+                hidden, decision = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                hidden, decision = layer(*args)
             chosen.append(decision.experts)
             replaced.append(decision.num_replaced)
             num_replayed = decision.num_replayed
