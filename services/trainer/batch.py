@@ -332,20 +332,26 @@ def build_rl_batch(
     (a group's rollouts side by side, so that with ``share_prefixes`` they share their
     prompt; ``microbatch_tokens`` counts every sequence whole)."""
     collected = collect_rl_items(groups, skip_uniform_task_groups=skip_uniform_task_groups)
-    microbatches: list[Microbatch] = []
+    microbatches = [
+        pack_microbatch(items, num_layers, top_k, share_prefixes=share_prefixes)
+        for items in split_in_order(collected.items, microbatch_tokens)
+    ]
+    return collected.batch(microbatches)
+
+
+def split_in_order(items: Sequence[TrainItem], token_budget: int) -> list[list[TrainItem]]:
+    """``items`` cut in order into runs of at most ``token_budget`` tokens (a sequence is
+    never split: one longer than the budget is a run of its own)."""
+    runs: list[list[TrainItem]] = []
     current: list[TrainItem] = []
     size = 0
-    for item in collected.items:
+    for item in items:
         length = len(item[0].input_ids)
-        if current and size + length > microbatch_tokens:
-            microbatches.append(
-                pack_microbatch(current, num_layers, top_k, share_prefixes=share_prefixes)
-            )
+        if current and size + length > token_budget:
+            runs.append(current)
             current, size = [], 0
         current.append(item)
         size += length
     if current:
-        microbatches.append(
-            pack_microbatch(current, num_layers, top_k, share_prefixes=share_prefixes)
-        )
-    return collected.batch(microbatches)
+        runs.append(current)
+    return runs

@@ -3,7 +3,8 @@
 ``rl_step`` runs each microbatch forward with router replay, takes the policy loss
 (``services.trainer.loss``) on the generated tokens, accumulates gradients, then clips
 and steps once; ``sft_step`` does the same with the next-token loss. Both return the
-step's metrics. Nothing here talks to other services.
+step's metrics, summed by name over microbatches and (through the runtime) over ranks.
+Nothing here talks to other services.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
@@ -26,10 +27,28 @@ from services.trainer.model import (
     resolve_experts_precision,
     token_logprobs,
 )
-from services.trainer.optim import build_optimizers, clip_and_step, set_learning_rate
+from services.trainer.optim import build_optimizers, set_learning_rate
+from services.trainer.runtime import LocalRuntime, TrainerRuntime
 
-if TYPE_CHECKING:
-    from services.trainer.distributed.runtime import Runtime
+
+class StepSums:
+    """A step's quantities, summed by name over microbatches, then over every rank."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.values = dict.fromkeys(names, 0.0)  # one order on every rank
+
+    def add(self, **values: float) -> None:
+        """Adds each named value to its sum."""
+        for name, value in values.items():
+            self.values[name] += value
+
+    def reduced(
+        self, runtime: TrainerRuntime, op: Literal["sum", "max"] = "sum"
+    ) -> dict[str, float]:
+        """Every sum over every rank (``op = "max"``: the largest value instead)."""
+        names = list(self.values)
+        totals = runtime.all_reduce([self.values[name] for name in names], op)
+        return dict(zip(names, totals, strict=True))
 
 
 class Learner:
@@ -40,9 +59,10 @@ class Learner:
         model: Qwen3MoE,
         job: JobConfig,
         reference: Qwen3MoE | None = None,
-        runtime: Runtime | None = None,
+        runtime: TrainerRuntime | None = None,
     ) -> None:
-        if runtime is not None and job.optimizer.name == "muon":
+        self.runtime = runtime or LocalRuntime()
+        if self.runtime.world_size > 1 and job.optimizer.name == "muon":
             raise ValueError(
                 "optimizer.name = 'muon' orthogonalizes whole matrices, which FSDP2 shards "
                 "over the ranks; use 'adamw' when the trainer is distributed"
@@ -50,19 +70,17 @@ class Learner:
         self.model = model
         self.job = job
         self.reference = reference
-        self.runtime = runtime
         self.optimizers = build_optimizers(model, job.optimizer)
 
     @classmethod
-    def load(cls, model_dir: Path, job: JobConfig, runtime: Runtime | None = None) -> Learner:
-        """The job's model from ``model_dir``, and a reference copy when the KL needs one.
-
-        With a ``runtime`` both are sharded for this rank (``distributed.parallelize``).
-        """
+    def load(
+        cls, model_dir: Path, job: JobConfig, runtime: TrainerRuntime | None = None
+    ) -> Learner:
+        """The job's model from ``model_dir``, and a reference copy when the KL needs one,
+        each laid out for this rank by ``runtime`` (whole in one process)."""
+        runtime = runtime or LocalRuntime()
         settings = job.model
-        dtype = resolve_compute_dtype(
-            settings.compute_dtype, runtime.device if runtime is not None else "cpu"
-        )
+        dtype = resolve_compute_dtype(settings.compute_dtype, runtime.device)
         model = load_pretrained(
             model_dir,
             dtype=dtype,
@@ -76,14 +94,8 @@ class Learner:
         )
         reference = None
         if job.phase == "rl" and job.rl.kl_coef > 0:
-            reference = copy.deepcopy(model).requires_grad_(False)
-        if runtime is not None:
-            from services.trainer.distributed.parallelize import parallelize
-
-            for module in (model, reference):
-                if module is not None:
-                    parallelize(module, runtime.meshes, runtime.device)
-        return cls(model, job, reference, runtime)
+            reference = runtime.parallelize(copy.deepcopy(model).requires_grad_(False))
+        return cls(runtime.parallelize(model), job, reference, runtime)
 
     def refresh_reference(self) -> None:
         """The reference becomes a copy of the current policy."""
@@ -92,27 +104,18 @@ class Learner:
 
     def _mtp(
         self, microbatch: Microbatch, output: ForwardOutput, num_microbatches: int
-    ) -> tuple[torch.Tensor | None, list[float]]:
+    ) -> torch.Tensor | None:
         """The weighted MTP distillation loss of one microbatch (None without MTP heads)."""
         if not len(self.model.mtp) or self.job.model.mtp_loss_coef == 0:
-            return None, []
-        loss, per_head = self.model.mtp_loss(microbatch.inputs, output)
+            return None
+        loss, _ = self.model.mtp_loss(microbatch.inputs, output)
         # The mean over the microbatches of every replica (each replica's gradients add up).
-        replicas = 1 if self.runtime is None else self.runtime.layout.dp
-        return self.job.model.mtp_loss_coef * loss / (num_microbatches * replicas), per_head
-
-    def _reduce(self, values: list[float], op: Literal["sum", "max"] = "sum") -> list[float]:
-        """``values`` over every rank (as they are in one process)."""
-        return values if self.runtime is None else self.runtime.all_reduce(values, op)
+        replicas = self.runtime.layout.dp
+        return self.job.model.mtp_loss_coef * loss / (num_microbatches * replicas)
 
     def _step(self) -> float:
         max_norm = self.job.optimizer.max_grad_norm
-        if self.runtime is None:
-            return clip_and_step(self.model, self.optimizers, max_norm)
         return self.runtime.clip_and_step(self.model, self.optimizers, max_norm)
-
-    def _on_device(self, microbatch: Microbatch) -> Microbatch:
-        return microbatch if self.runtime is None else microbatch.to(self.runtime.device)
 
     def rl_step(self, batch: RLBatch, step: int) -> dict[str, float]:
         """One optimizer step on ``batch``; ``step`` (0-based) sets the warm-up.
@@ -125,20 +128,25 @@ class Learner:
         lr = set_learning_rate(self.optimizers, self.job.optimizer, step)
         normalizer = max(batch.num_rollouts, 1) * rl.generation_budget_tokens
         layers = self.model.arch.num_layers
-        pg = kl = mtp_total = 0.0
-        sums = dict.fromkeys(("ratio", "clipped", "k1", "entropy", "mismatch"), 0.0)
-        ratio_max = 0.0
-        replaced = [0] * layers
-        replayed = tokens = computed = trained = 0
+        per_layer = [f"replaced_layer{layer}" for layer in range(layers)]
+        sums = StepSums(
+            (
+                *("loss_pg", "loss_kl", "loss_mtp"),
+                *("ratio", "clipped", "k1", "entropy", "mismatch"),
+                *("replayed", "tokens", "computed", "trained", *per_layer),
+            )
+        )
+        largest = StepSums(("ratio_max",))
         self.model.train()
         for local in batch.microbatches:
-            microbatch = self._on_device(local)
+            microbatch = local.to(self.runtime.device)
             output = self.model(microbatch.inputs)
             rows = microbatch.trained.nonzero()[:, 0]
             targets = microbatch.targets[rows]
             logprobs, entropy = token_logprobs(
                 self.model, output.hidden[rows], targets, with_entropy=True
             )
+            assert entropy is not None
             reference_logprobs = None
             if self.reference is not None and rl.kl_coef > 0:
                 with torch.no_grad():
@@ -157,30 +165,29 @@ class Learner:
                 reference_logprobs=reference_logprobs,
             )
             loss = terms.loss
-            mtp_loss, _ = self._mtp(microbatch, output, len(batch.microbatches))
+            mtp_loss = self._mtp(microbatch, output, len(batch.microbatches))
             if mtp_loss is not None:
                 loss = loss + mtp_loss
-                mtp_total += float(mtp_loss.detach())
+                sums.add(loss_mtp=float(mtp_loss.detach()))
             loss.backward()
-            pg += float(terms.policy_gradient)
-            kl += float(terms.kl_penalty)
-            assert entropy is not None
             mismatch = (logprobs.detach() - microbatch.behaviour_logprobs[rows]).abs()
-            for name, values in (
-                ("ratio", terms.importance_ratio),
-                ("clipped", terms.clipped),
-                ("k1", terms.k1),
-                ("entropy", entropy),
-                ("mismatch", mismatch),
-            ):
-                sums[name] += float(values.double().sum())
+            sums.add(
+                loss_pg=float(terms.policy_gradient),
+                loss_kl=float(terms.kl_penalty),
+                ratio=float(terms.importance_ratio.double().sum()),
+                clipped=float(terms.clipped.double().sum()),
+                k1=float(terms.k1.double().sum()),
+                entropy=float(entropy.double().sum()),
+                mismatch=float(mismatch.double().sum()),
+                replayed=output.num_replayed,
+                tokens=microbatch.num_data_tokens,
+                computed=microbatch.num_tokens,
+                trained=int(rows.numel()),
+                **dict(zip(per_layer, output.num_replaced, strict=True)),
+            )
             if rows.numel():
-                ratio_max = max(ratio_max, float(terms.importance_ratio.max()))
-            replaced = [a + b for a, b in zip(replaced, output.num_replaced, strict=True)]
-            replayed += output.num_replayed
-            tokens += microbatch.num_data_tokens
-            computed += microbatch.num_tokens
-            trained += int(rows.numel())
+                ratio_max = float(terms.importance_ratio.max())
+                largest.values["ratio_max"] = max(largest.values["ratio_max"], ratio_max)
         if batch.num_rollouts:
             grad_norm = self._step()
         else:
@@ -189,36 +196,30 @@ class Learner:
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             grad_norm = 0.0
-        names = list(sums)
-        totals = self._reduce(
-            [pg, kl, mtp_total, *sums.values(), replayed, tokens, computed, trained, *replaced]
-        )
-        pg, kl, mtp_total = totals[:3]
-        sums = dict(zip(names, totals[3:8], strict=True))
-        replayed, tokens, computed, trained = (int(value) for value in totals[8:12])
-        replaced = [int(value) for value in totals[12:]]
-        ratio_max = self._reduce([ratio_max], "max")[0]
-        choices = max(replayed * self.model.arch.top_k, 1)
+        total = sums.reduced(self.runtime)
+        replaced = [total[name] for name in per_layer]
+        choices = max(total["replayed"] * self.model.arch.top_k, 1)
+        trained = total["trained"]
 
         def mean(name: str) -> float:
-            return sums[name] / trained if trained else 0.0
+            return total[name] / trained if trained else 0.0
 
         metrics = {
-            "loss": pg + kl + mtp_total,
-            "loss_pg": pg,
-            "loss_kl": kl,
-            "loss_mtp": mtp_total,
+            "loss": total["loss_pg"] + total["loss_kl"] + total["loss_mtp"],
+            "loss_pg": total["loss_pg"],
+            "loss_kl": total["loss_kl"],
+            "loss_mtp": total["loss_mtp"],
             "kl": mean("k1"),
             "is_ratio_mean": mean("ratio"),
-            "is_ratio_max": ratio_max,
+            "is_ratio_max": largest.reduced(self.runtime, "max")["ratio_max"],
             "is_clipped_fraction": mean("clipped"),
             "entropy": mean("entropy"),
             "logprob_mismatch": mean("mismatch"),
             "replay_replacement_rate": sum(replaced) / (choices * layers),
-            "replay_token_fraction": replayed / max(computed, 1),
-            "tokens": float(tokens),
-            "tokens_computed": float(computed),
-            "tokens_trained": float(trained),
+            "replay_token_fraction": total["replayed"] / max(total["computed"], 1),
+            "tokens": total["tokens"],
+            "tokens_computed": total["computed"],
+            "tokens_trained": trained,
             "grad_norm": grad_norm,
             "lr": lr,
         }
@@ -233,35 +234,28 @@ class Learner:
         trained tokens.
         """
         lr = set_learning_rate(self.optimizers, self.job.optimizer, step)
-        num_trained = int(self._reduce([sum(int(mb.trained.sum()) for mb in microbatches)])[0])
+        local_trained = StepSums(("trained",))
+        local_trained.add(trained=sum(int(mb.trained.sum()) for mb in microbatches))
+        num_trained = int(local_trained.reduced(self.runtime)["trained"])
         if num_trained == 0:
             raise ValueError("an SFT step needs at least one trained token")
-        nll = mtp_total = 0.0
-        tokens = computed = 0
+        sums = StepSums(("loss", "loss_mtp", "tokens", "tokens_computed"))
         self.model.train()
         for local in microbatches:
-            microbatch = self._on_device(local)
+            microbatch = local.to(self.runtime.device)
             output = self.model(microbatch.inputs)
             rows = microbatch.trained.nonzero()[:, 0]
             logprobs, _ = token_logprobs(self.model, output.hidden[rows], microbatch.targets[rows])
             loss = next_token_loss(logprobs, num_trained)
-            nll += float(loss.detach())
-            mtp_loss, _ = self._mtp(microbatch, output, len(microbatches))
+            sums.add(loss=float(loss.detach()))
+            mtp_loss = self._mtp(microbatch, output, len(microbatches))
             if mtp_loss is not None:
                 loss = loss + mtp_loss
-                mtp_total += float(mtp_loss.detach())
+                sums.add(loss_mtp=float(mtp_loss.detach()))
             loss.backward()
-            tokens += microbatch.num_data_tokens
-            computed += microbatch.num_tokens
+            sums.add(tokens=microbatch.num_data_tokens, tokens_computed=microbatch.num_tokens)
         grad_norm = self._step()
-        nll, mtp_total, total_tokens, total_computed = self._reduce(
-            [nll, mtp_total, tokens, computed]
-        )
-        return {
-            "loss": nll,
-            "loss_mtp": mtp_total,
-            "tokens": total_tokens,
-            "tokens_computed": total_computed,
+        return sums.reduced(self.runtime) | {
             "tokens_trained": float(num_trained),
             "grad_norm": grad_norm,
             "lr": lr,

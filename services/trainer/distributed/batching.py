@@ -20,10 +20,9 @@ from services.trainer.batch import Microbatch, TrainItem, pack_microbatch
 from services.trainer.distributed.context_parallel import shard_microbatch
 from services.trainer.distributed.layout import ParallelLayout
 from services.trainer.distributed.packing import CostModel, plan_step
+from services.trainer.model.architecture import Architecture
+from services.trainer.planning import RankPart, StepPlanner
 from services.trainer.rollouts import SegmentTokens
-
-RankPart = list[list[TrainItem]]
-"""One dp replica's sequences, per microbatch."""
 
 
 def padded_length(length: int, cp: int) -> int:
@@ -102,3 +101,36 @@ def local_microbatches(
         )
         microbatches.append(shard_microbatch(microbatch, cp_index, layout.cp))
     return microbatches
+
+
+class BalancedPlanner(StepPlanner):
+    """``assign`` on rank 0 (every rank of a dp replica gets the replica's part), then
+    ``local_microbatches`` on each rank."""
+
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        cp_index: int,
+        cost_model: CostModel,
+        arch: Architecture,
+        *,
+        share_prefixes: bool,
+    ) -> None:
+        self.layout, self.cp_index, self.cost_model = layout, cp_index, cost_model
+        self.arch, self.share_prefixes = arch, share_prefixes
+
+    def plan(self, items: Sequence[TrainItem], token_budget: int) -> list[RankPart]:
+        """Each rank's replica's part of ``items``, in rank order."""
+        parts = assign(items, self.layout, self.cost_model, token_budget)
+        return [parts[self.layout.dp_index(rank)] for rank in range(self.layout.world_size)]
+
+    def microbatches(self, part: RankPart) -> list[Microbatch]:
+        """This rank's chunks of its replica's sequences (``local_microbatches``)."""
+        return local_microbatches(
+            part,
+            self.layout,
+            self.cp_index,
+            num_layers=self.arch.num_layers,
+            top_k=self.arch.top_k,
+            share_prefixes=self.share_prefixes,
+        )

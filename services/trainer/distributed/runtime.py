@@ -14,15 +14,22 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from services.trainer.config import JobConfig
 from services.trainer.distributed.layout import ParallelLayout
 from services.trainer.distributed.mesh import Meshes, build_meshes
+from services.trainer.runtime import TrainerRuntime
+
+if TYPE_CHECKING:
+    from services.trainer.model import Qwen3MoE
+    from services.trainer.planning import StepPlanner
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +58,8 @@ class ProcessInfo:
         return info
 
 
-class Runtime:
-    """The distributed side of one trainer process."""
+class Runtime(TrainerRuntime):
+    """One process of a distributed job: its process group, meshes and device."""
 
     def __init__(
         self, info: ProcessInfo, meshes: Meshes, device: torch.device, control: dist.ProcessGroup
@@ -67,29 +74,9 @@ class Runtime:
         return self.info.rank
 
     @property
-    def world_size(self) -> int:
-        """Number of processes."""
-        return self.info.world_size
-
-    @property
-    def is_leader(self) -> bool:
-        """Global rank 0: pulls work, serves the API, writes manifests and checkpoint metadata."""
-        return self.info.rank == 0
-
-    @property
-    def serves_http(self) -> bool:
-        """Local rank 0: the process of a node that answers its pod's probes and metrics."""
-        return self.info.local_rank == 0
-
-    @property
-    def dp_index(self) -> int:
-        """This rank's data-parallel replica."""
-        return self.layout.dp_index(self.rank)
-
-    @property
-    def cp_index(self) -> int:
-        """This rank's position in its context-parallel group."""
-        return self.layout.cp_index(self.rank)
+    def local_rank(self) -> int:
+        """Rank within this node."""
+        return self.info.local_rank
 
     def share(self, message: Any) -> Any:
         """Rank 0's ``message`` on every rank (the others pass None)."""
@@ -145,6 +132,53 @@ class Runtime:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def parallelize(self, model: Qwen3MoE) -> Qwen3MoE:
+        """``model`` sharded over the meshes (FSDP2, context and expert parallelism)."""
+        from services.trainer.distributed.parallelize import parallelize
+
+        return parallelize(model, self.meshes, self.device)
+
+    def served_weights(self, model: Qwen3MoE) -> dict[str, torch.Tensor]:
+        """This rank's shard of the served weights (``publishing.shard_tensors``)."""
+        from services.trainer.distributed.publishing import shard_tensors
+
+        return shard_tensors(model, self)
+
+    def export(self, model: Qwen3MoE, out: Path, *, source_dir: Path, policy_version: int) -> None:
+        """The full state gathered on rank 0, which writes it (``publishing.export_pretrained``)."""
+        from services.trainer.distributed.publishing import export_pretrained
+
+        export_pretrained(
+            model, out, source_dir=source_dir, policy_version=policy_version, runtime=self
+        )
+
+    def planner(self, job: JobConfig, model: Qwen3MoE) -> StepPlanner:
+        """Global cost-balanced packing with the settings' cost model, or one rank 0
+        measures on this model and shares."""
+        from services.trainer.distributed.batching import BalancedPlanner
+        from services.trainer.distributed.calibration import calibrate
+        from services.trainer.distributed.packing import CostModel
+        from services.trainer.model import resolve_experts_precision
+
+        packing = job.dist.packing
+        cost_model: CostModel | None = None
+        if packing.calibrate and self.is_leader:
+            cost_model = calibrate(
+                model.arch,
+                dtype=model.dtype,
+                precision=resolve_experts_precision(
+                    job.model.experts_precision, model.dtype, job.model.experts_backend
+                ),
+                device=self.device,
+            )
+            log.info("packing cost measured: b / a = %.3g", cost_model.per_token_pair)
+        elif not packing.calibrate:
+            cost_model = CostModel(packing.cost_per_token, packing.cost_per_token_pair)
+        shared: CostModel = self.share(cost_model)
+        return BalancedPlanner(
+            self.layout, self.cp_index, shared, model.arch, share_prefixes=job.shares_prefixes
+        )
 
     def close(self) -> None:
         """Leaves the process group."""
