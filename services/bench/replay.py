@@ -61,12 +61,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
-from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services import routed_experts
+from services.api.v1 import inference_pb2, inference_pb2_grpc
 from services.bench import BenchResult, BenchSettingError
 from services.config import BaseModelConfig
 from services.launcher.processes import ManagedProcess
@@ -193,16 +193,6 @@ def _wait_ready(target: str, process: ManagedProcess, timeout_s: float) -> None:
     raise RuntimeError(f"the inference service was not ready after {timeout_s:.0f} s")
 
 
-def _routes(message: common_pb2.RoutedExperts) -> torch.Tensor:
-    dtype = {
-        common_pb2.INDEX_DTYPE_UINT8: "<u1",
-        common_pb2.INDEX_DTYPE_INT16: "<i2",
-        common_pb2.INDEX_DTYPE_INT32: "<i4",
-    }[message.dtype]
-    table = np.frombuffer(message.data, dtype=dtype).reshape(tuple(message.shape))
-    return torch.from_numpy(table.astype(np.int64))
-
-
 async def _generate(
     target: str, token: str, prompts: list[list[int]], max_tokens: int
 ) -> list[dict[str, Any]]:
@@ -221,11 +211,14 @@ async def _generate(
             routed = [c.routed_experts for c in chunks if c.routed_experts.data]
             if not routed:
                 raise RuntimeError("the inference service returned no routed experts")
+            tokens = [t for c in chunks for t in c.token_ids]
+            routes = routed_experts.decode(routed[-1], len(prompt) + len(tokens))
+            assert routes is not None  # it has data
             return {
                 "prompt": prompt,
-                "tokens": [t for c in chunks for t in c.token_ids],
+                "tokens": tokens,
                 "logprobs": [lp for c in chunks for lp in c.logprobs],
-                "routes": _routes(routed[-1]),
+                "routes": torch.from_numpy(routes),
             }
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))

@@ -35,7 +35,9 @@ class InferenceGenerator:
         self.stub = inference_pb2_grpc.InferenceServiceStub(channel)
         self.temperature = temperature
         self.seed = seed
-        self.unavailable_wait_s = unavailable_wait_s
+        self.retry = RetryPolicy(
+            initial_backoff_s=0.25, max_backoff_s=5.0, deadline_s=unavailable_wait_s
+        )
         self.calls = 0
 
     async def __call__(self, prompt: list[int], max_tokens: int, stop: list[int]) -> Generation:
@@ -48,10 +50,7 @@ class InferenceGenerator:
         request = inference_pb2.GenerateRequest(
             prompt_token_ids=prompt, sampling=sampling, return_routed_experts=True
         )
-        policy = RetryPolicy(
-            initial_backoff_s=0.25, max_backoff_s=5.0, deadline_s=self.unavailable_wait_s
-        )
-        return await retrying(lambda: self._generate(request), policy, "inference Generate")
+        return await retrying(lambda: self._generate(request), self.retry, "inference Generate")
 
     async def _generate(self, request: inference_pb2.GenerateRequest) -> Generation:
         token_ids: list[int] = []
