@@ -23,6 +23,7 @@ from services.reconciler.client import ReconcilerClient
 from services.run_config import EtudeConfig
 from services.trainer.job import TrainingJob
 from services.trainer.model import from_hf, load_pretrained
+from services.trainer.runtime import LocalRuntime
 from services.weights.subscriber import WeightSubscriber
 from services.wire.client import make_channel
 from tests.conftest import TOKEN
@@ -77,7 +78,8 @@ async def test_sft_lowers_the_loss_on_a_synthetic_task_corpus(
             "metrics_file": str(metrics_file),
         },
     )
-    job = TrainingJob(config, FileObjectStore(tmp_path / "store"), None)
+    store = FileObjectStore(tmp_path / "store")
+    job = await asyncio.to_thread(TrainingJob.build, config, store, None, LocalRuntime())
     await job.run()
     assert job.state == "done", job.error
     losses = [r["loss"] for r in _records(metrics_file)]
@@ -86,7 +88,7 @@ async def test_sft_lowers_the_loss_on_a_synthetic_task_corpus(
     assert sum(losses[-5:]) / 5 < losses[0] - 2.5, losses
     assert [c.step for c in job.checkpoints.list()] == [10, 20, 30]
     exported = load_pretrained(tmp_path / "sft-model", dtype=torch.float32)
-    assert torch.equal(exported.lm_head.weight, job.learner.model.lm_head.weight.bfloat16().float())  # type: ignore[union-attr]
+    assert torch.equal(exported.lm_head.weight, job.learner.model.lm_head.weight.bfloat16().float())
 
 
 TARGET = set(range(16, 144))  # 128 of the 1024 vocabulary rows: ~1/8 of uniform samples
@@ -142,7 +144,7 @@ async def test_rl_raises_the_mean_reward(tiny_model: Path, tmp_path: Path) -> No
         )
         store = FileObjectStore(tmp_path / "store")
         client = SlowFirstStep(make_channel(server.target, token=TOKEN))
-        job = TrainingJob(config, store, client)
+        job = await asyncio.to_thread(TrainingJob.build, config, store, client, LocalRuntime())
         training = asyncio.create_task(job.run())
         policy = load_pretrained(tiny_model, dtype=torch.float32)
         subscriber = WeightSubscriber(store, server.run_name, config.weights)

@@ -30,6 +30,7 @@ from services.trainer.job import TrainingJob
 from services.trainer.learner import Learner
 from services.trainer.model import Qwen3MoE, load_pretrained
 from services.trainer.rollouts import SegmentTokens
+from services.trainer.runtime import LocalRuntime
 from services.trainer.sft import Example, to_microbatch
 from tests.trainer_support import sample, segment_of, store_rollout
 
@@ -178,10 +179,9 @@ def job_rl(model_dir: Path, root: Path) -> dict[str, Any]:
             },
         },
     )
-    job = TrainingJob(config, store, reconciler)  # type: ignore[arg-type]
+    job = TrainingJob.build(config, store, reconciler, LocalRuntime())  # type: ignore[arg-type]
     asyncio.run(job.run())
     assert job.state == "done", job.error
-    assert job.learner is not None
     return {
         "metrics": untimed(job.metrics),
         "weights": checksum(job.learner.model),
@@ -207,10 +207,9 @@ def job_sft(model_dir: Path, root: Path) -> dict[str, Any]:
             "data": {"kind": "jsonl", "path": str(data), "tokens_per_step": 128, "max_seq_len": 64},
         },
     )
-    job = TrainingJob(config, FileObjectStore(root / "store"), None)
+    job = TrainingJob.build(config, FileObjectStore(root / "store"), None, LocalRuntime())
     asyncio.run(job.run())
     assert job.state == "done", job.error
-    assert job.learner is not None
     return {
         "metrics": untimed(job.metrics),
         "weights": checksum(job.learner.model),

@@ -6,8 +6,15 @@ step, the tag, the job's own state: data cursor, last published version, the gro
 pulled since the last commit, the Python RNG). It is written aside and renamed into
 place, so a crash mid-save leaves the previous checkpoint as the newest complete one.
 Periodic checkpoints are ``step-<n>`` (the newest ``keep_last`` are kept); tagged ones
-(``SaveCheckpoint``) are ``tag-<tag>`` and stay. DCP writes from every rank when the
-trainer is distributed; in one process it runs without a process group.
+(``SaveCheckpoint``) are ``tag-<tag>`` and stay.
+
+Saving is collective: every rank writes its own shards of the model, optimizer and
+reference into the same staging directory (one ``.distcp`` file per rank; one in a
+single process, where DCP runs without a process group), then rank 0 writes the
+metadata, renames and prunes; barriers keep the ranks in step, so every rank sees the
+same checkpoints afterwards. Loading is collective too (each rank reads its shards).
+The checkpoint directory must be one filesystem for all ranks (one node, or a
+ReadWriteMany volume: ``trainer.checkpoints.existingClaim``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from services.trainer.learner import Learner
 from services.trainer.paths import META_FILE, checkpoint_dirs
+from services.trainer.runtime import LocalRuntime, TrainerRuntime
 
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
@@ -68,28 +76,38 @@ def _state(learner: Learner) -> dict[str, Any]:
 
 
 class CheckpointStore:
-    """The checkpoints of one run under ``root``."""
+    """The checkpoints of one run under ``root``, saved by every rank of ``runtime``."""
 
-    def __init__(self, root: Path, keep_last: int = 3) -> None:
+    def __init__(
+        self, root: Path, keep_last: int = 3, runtime: TrainerRuntime | None = None
+    ) -> None:
         self.root = Path(root)
         self.keep_last = keep_last
+        self.runtime = runtime or LocalRuntime()
 
     def save(
         self, learner: Learner, job_state: dict[str, Any], *, step: int, tag: str | None = None
     ) -> CheckpointInfo:
-        """Writes a checkpoint of ``learner`` after ``step`` completed steps."""
+        """Writes a checkpoint of ``learner`` after ``step`` completed steps (collective)."""
+        runtime = self.runtime
         name = f"tag-{tag}" if tag else f"step-{step:08d}"
         final = self.root / name
-        if tag and final.exists():
+        # Rank 0 decides, so that no rank writes while another refused.
+        if runtime.share(bool(tag) and final.exists()):
             raise FileExistsError(f"checkpoint tag {tag!r} exists ({final})")
-        self.root.mkdir(parents=True, exist_ok=True)
-        staging = self.root / f".{name}.partial-{os.getpid()}"
-        if staging.exists():
-            shutil.rmtree(staging)
+        staging = self.root / f".{name}.partial-{runtime.share(os.getpid())}"
+        if runtime.is_leader:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if staging.exists():
+                shutil.rmtree(staging)
+        runtime.barrier()
         _dcp(dcp.save, _state(learner), staging)
-        created_at = time.time()
-        self._finish(staging, final, tag or name, step, created_at, job_state, prune=not tag)
-        return CheckpointInfo(tag or name, step, final, created_at)
+        created_at = runtime.share(time.time())
+        label = tag or name
+        if runtime.is_leader:
+            self._finish(staging, final, label, step, created_at, job_state, prune=not tag)
+        runtime.barrier()
+        return CheckpointInfo(label, step, final, created_at)
 
     def _finish(
         self,
@@ -120,10 +138,11 @@ class CheckpointStore:
             self._prune()
 
     def discard_partial(self) -> None:
-        """Removes checkpoints a crashed process left half-written."""
-        if self.root.is_dir():
+        """Rank 0 removes checkpoints a crashed process left half-written; the others wait."""
+        if self.runtime.is_leader and self.root.is_dir():
             for path in self.root.glob(".*.partial-*"):
                 shutil.rmtree(path, ignore_errors=True)
+        self.runtime.barrier()
 
     def list(self) -> list[CheckpointInfo]:
         """Every complete checkpoint, oldest step first."""

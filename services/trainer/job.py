@@ -1,23 +1,21 @@
 """The training job the trainer service runs: CPT/SFT on a token stream, or RL.
 
-One RL step::
-
-    pull ready groups (reconciler, staleness policy)  ->  fetch + check rollout records
-    -> Dr. GRPO batch  ->  forward with router replay, loss, backward, optimizer step
-    -> publish version v+1 (background)  ->  checkpoint  ->  commit the pulled groups
-
+One RL step (``TrainingJob._run_rl``): pull ready groups (reconciler, staleness policy),
+fetch and check their records, Dr. GRPO batch -> forward with router replay, loss,
+backward, optimizer step -> publish version v+1 (background) -> checkpoint -> commit.
 Groups are committed only once a checkpoint holds the step that trained them: a crash
-before that re-pulls the same groups for the same step (the reconciler hands a step's
-groups out again until it is committed), and the resumed job, restored exactly from
-the checkpoint, retrains them into the same weights. A group is never in two
-optimizer updates that survive. Compute runs in a worker thread so the gRPC server
-answers while a step runs; checkpoint requests are served between steps.
+before that re-pulls the same groups for the same step (the reconciler hands them out
+again until committed), and the resumed job, restored exactly from the checkpoint,
+retrains them into the same weights. A group is never in two surviving updates.
+Compute runs in a worker thread so the gRPC server answers while a step runs;
+checkpoint requests are served between steps.
 
-Distributed (under torchrun, with a ``Runtime``), every rank runs this job: rank 0 pulls,
-reads the data, commits and answers requests, and before each step scatters a
-``StepMessage`` to every rank (its share of the step's sequences, the checkpoints to
-save); all ranks train, publish their shards and save checkpoints together
-(docs/distributed.md).
+Every rank of the job runs this code, in one process as under torchrun (the
+``TrainerRuntime`` the trainer built at start): rank 0 pulls, reads the data, commits
+and answers requests, and before each step scatters a ``StepMessage`` to every rank (its
+share of the step's sequences, the checkpoints to save); all ranks train, publish their
+shards and save checkpoints together (docs/distributed.md). In one process rank 0 is the
+only rank and every collective is a pass-through.
 """
 
 from __future__ import annotations
@@ -29,8 +27,8 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import replace
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -41,32 +39,25 @@ from services.objectstore.base import ObjectStore
 from services.reconciler.client import ReconcilerClient
 from services.run_config import EtudeConfig
 from services.trainer import metrics
-from services.trainer.batch import (
-    Microbatch,
-    RLBatch,
-    RLItems,
-    build_rl_batch,
-    collect_rl_items,
-    load_groups,
-)
+from services.trainer.batch import collect_rl_items, load_groups
 from services.trainer.checkpoint import CheckpointInfo, CheckpointStore
+from services.trainer.checkpoint_requests import CheckpointRequests
 from services.trainer.config import JobConfig
 from services.trainer.distributed.layout import check_job
 from services.trainer.learner import Learner
-from services.trainer.model import Architecture, resolve_experts_precision, save_pretrained
+from services.trainer.model import Architecture
 from services.trainer.paths import checkpoint_root
+from services.trainer.planning import StepMessage, StepPlanner
 from services.trainer.publishing import PolicyPublisher
-from services.trainer.sft import ExampleStream, example_items, open_source, to_microbatch
-
-if TYPE_CHECKING:
-    from services.trainer.distributed.batching import RankPart
-    from services.trainer.distributed.packing import CostModel
-    from services.trainer.distributed.runtime import Runtime
-    from services.trainer.distributed.steps import StepMessage
+from services.trainer.runtime import TrainerRuntime
+from services.trainer.sft import ExampleStream, example_items, open_source
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Plan = Callable[[float], Awaitable["list[StepMessage] | None"]]
+"""Rank 0's plan of the next step, a message per rank (None on the other ranks); its
+argument is when the step began to wait for work."""
 
 
 def version_provenance(groups: Sequence[reconciler_pb2.Group], version: int) -> dict[str, Any]:
@@ -85,110 +76,63 @@ def version_provenance(groups: Sequence[reconciler_pb2.Group], version: int) -> 
 
 
 class TrainingJob:
-    """One job; its fields are what GetStatus reports."""
+    """One job, built complete (``build``); its fields are what GetStatus reports."""
 
     def __init__(
         self,
         config: EtudeConfig,
+        job: JobConfig,
+        reconciler: ReconcilerClient | None,
+        runtime: TrainerRuntime,
+        learner: Learner,
+        planner: StepPlanner,
+        checkpoints: CheckpointStore,
+        publisher: PolicyPublisher,
+        store: ObjectStore,
+    ) -> None:
+        self.config, self.job, self.store = config, job, store
+        self.reconciler = reconciler  # rank 0 of an RL job: what to pull and commit
+        self.runtime, self.learner, self.planner = runtime, learner, planner
+        self.checkpoints, self.publisher = checkpoints, publisher
+        self.model_dir = job.model.model_dir or config.inference.engine.model_dir
+        self.state, self.error = "starting", ""
+        self.step = self.cursor = self.initial_version = 0
+        self.metrics: dict[str, float] = {}
+        self.uncommitted: list[str] = []
+        self.requests = CheckpointRequests()
+
+    @classmethod
+    def build(
+        cls,
+        config: EtudeConfig,
         store: ObjectStore,
         reconciler: ReconcilerClient | None,
-        runtime: Runtime | None = None,
-    ) -> None:
-        assert config.trainer.job is not None
-        self.config = config
-        self.job: JobConfig = config.trainer.job
-        self.store = store
-        self.reconciler = reconciler
-        self.runtime = runtime
-        self.model_dir = self.job.model.model_dir or config.inference.engine.model_dir
-        root, keep_last = checkpoint_root(config), self.job.checkpoint.keep_last
-        if runtime is None:
-            self.checkpoints = CheckpointStore(root, keep_last)
-        else:
-            from services.trainer.distributed.checkpoint import DistributedCheckpointStore
+        runtime: TrainerRuntime,
+    ) -> TrainingJob:
+        """The job of ``config`` on this rank: model, optimizers and planner built, resumed
+        from the newest checkpoint (collective: every rank builds its job together)."""
+        job = config.trainer.job
+        assert job is not None, "the trainer builds a job only when [trainer.job] is set"
+        if job.phase == "rl" and runtime.is_leader and reconciler is None:
+            raise ValueError("rank 0 of an RL job pulls from the reconciler: it needs a client")
+        model_dir = job.model.model_dir or config.inference.engine.model_dir
+        if job.num_threads:
+            torch.set_num_threads(job.num_threads)
+        check_job(job, Architecture.from_model_dir(model_dir), runtime.world_size)
+        torch.manual_seed(job.seed)
+        random.seed(job.seed)
+        learner = Learner.load(model_dir, job, runtime)
+        planner = runtime.planner(job, learner.model)
+        checkpoints = CheckpointStore(checkpoint_root(config), job.checkpoint.keep_last, runtime)
+        publisher = PolicyPublisher(store, config.run.name, config.weights, reconciler, runtime)
+        built = cls(
+            config, job, reconciler, runtime, learner, planner, checkpoints, publisher, store
+        )
+        built._resume()
+        return built
 
-            self.checkpoints = DistributedCheckpointStore(root, keep_last, runtime)
-        self.cost_model: CostModel | None = None
-        self.state = "starting"
-        self.error = ""
-        self.step = 0
-        self.initial_version = 0
-        self.metrics: dict[str, float] = {}
-        self.cursor = 0
-        self.uncommitted: list[str] = []
-        self.learner: Learner | None = None
-        self.publisher: PolicyPublisher | None = None
-        self._requests: asyncio.Queue[tuple[str, asyncio.Future[CheckpointInfo]]] = asyncio.Queue()
-        self._tag_futures: dict[str, list[asyncio.Future[CheckpointInfo]]] = {}
-
-    @property
-    def policy_version(self) -> int:
-        """The version of the current weights."""
-        return self.initial_version + self.step
-
-    @property
-    def last_published_version(self) -> int:
-        """The newest version whose manifest is written (the start version before any)."""
-        published = self.publisher.last_published_version if self.publisher else 0
-        return max(published, self.initial_version)
-
-    async def run(self) -> None:
-        """Runs the job to its end; a failure is logged and reported, not raised."""
-        try:
-            await asyncio.to_thread(self._setup)
-            self.publisher = self._publisher()
-            await self._commit()  # groups a previous process checkpointed but did not commit
-            self.state = "running"
-            if self.job.phase == "rl":
-                await (self._run_rl() if self.runtime is None else self._run_rl_distributed())
-            else:
-                await (
-                    self._run_stream() if self.runtime is None else self._run_stream_distributed()
-                )
-            await self._finish()
-            self.state = "done"
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:
-            log.exception("the training job failed")
-            self.state, self.error = "failed", f"{type(error).__name__}: {error}"
-        finally:
-            if self.publisher is not None:
-                self.publisher.close()
-        await self._answer_late_requests()
-
-    def _publisher(self) -> PolicyPublisher:
-        run, weights = self.config.run.name, self.config.weights
-        if self.runtime is None:
-            return PolicyPublisher(self.store, run, weights, self.reconciler)
-        from services.trainer.distributed.publishing import ShardedPolicyPublisher
-
-        return ShardedPolicyPublisher(self.store, run, weights, self.reconciler, self.runtime)
-
-    async def _answer_late_requests(self) -> None:
-        """Requests that arrived while the job was ending: saved if it ended well (in one
-        process; the ranks of a distributed job have stopped)."""
-        while not self._requests.empty():
-            tag, future = self._requests.get_nowait()
-            if self.state == "done" and self.runtime is None:
-                try:
-                    future.set_result(await self._checkpoint(tag))
-                except Exception as error:
-                    future.set_exception(error)
-            else:
-                future.set_exception(RuntimeError(f"the training job {self.state}: {self.error}"))
-
-    def _setup(self) -> None:
-        if self.job.num_threads:
-            torch.set_num_threads(self.job.num_threads)
-        arch = Architecture.from_model_dir(self.model_dir)
-        if self.runtime is None:
-            check_job(self.job, arch, 1)  # a layout for several ranks is an error here
-        torch.manual_seed(self.job.seed)
-        random.seed(self.job.seed)
-        self.learner = Learner.load(self.model_dir, self.job, self.runtime)
-        if self.runtime is not None:
-            self.cost_model = self._packing_cost(arch)
+    def _resume(self) -> None:
+        """The start version of the model, or the newest checkpoint's state."""
         card = self.model_dir / "etude_model.json"
         if card.is_file():
             self.initial_version = int(json.loads(card.read_text()).get("policy_version", 0))
@@ -201,74 +145,190 @@ class TrainingJob:
             self.uncommitted = list(state["uncommitted"])
             log.info("resumed from %s at step %d", latest.location, self.step)
 
-    def _job_state(self) -> dict[str, Any]:
-        return {
+    @property
+    def policy_version(self) -> int:
+        """The version of the current weights."""
+        return self.initial_version + self.step
+
+    @property
+    def last_published_version(self) -> int:
+        """The newest version whose manifest is written (the start version before any)."""
+        return max(self.publisher.last_published_version, self.initial_version)
+
+    async def run(self) -> None:
+        """Runs the job to its end; a failure is logged and reported, not raised."""
+        try:
+            await self._commit()  # groups a previous process checkpointed but did not commit
+            self.state = "running"
+            await (self._run_rl() if self.job.phase == "rl" else self._run_stream())
+            await self._finish()
+            self.state = "done"
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            log.exception("the training job failed")
+            self.state, self.error = "failed", f"{type(error).__name__}: {error}"
+        finally:
+            self.publisher.close()
+        # Requests that came in while the job was ending: saved if it ended well in one
+        # process (the ranks of a distributed job have stopped).
+        can_save = self.state == "done" and self.runtime.world_size == 1
+        refusal = f"the training job {self.state}: {self.error}"
+        await self.requests.answer_late(self._checkpoint if can_save else None, refusal)
+
+    async def _run_rl(self) -> None:
+        """RL: pull -> train -> publish -> checkpoint and commit, one step per pass."""
+        reconciler, refresh = self.reconciler, self.job.rl.reference_refresh_steps
+        plan = self._follow if reconciler is None else functools.partial(self._plan_rl, reconciler)
+        waiting_since = time.perf_counter()  # the step's wait spans its empty pulls
+        while not self._finished():
+            self.state = "waiting"
+            message = await self._next_message(plan, waiting_since)
+            if message.part is None or message.stats is None:
+                continue
+            self.state, started = "running", time.perf_counter()
+            local = await asyncio.to_thread(self.planner.microbatches, message.part)
+            batch = message.stats.batch(local)
+            step_metrics = await asyncio.to_thread(self.learner.rl_step, batch, self.step)
+            computed = time.perf_counter() - started
+            step_metrics |= metrics.batch_metrics(batch, message.num_stale_dropped) | {
+                "groups": float(len(message.group_ids)),
+                "tokens_per_s": step_metrics["tokens"] / max(computed, 1e-9),
+                "time_wait_s": message.waited_s,
+                "time_compute_s": computed,
+            }
+            self.step += 1
+            self.uncommitted.extend(message.group_ids)
+            if refresh and self.step % refresh == 0:
+                self.learner.refresh_reference()  # before the checkpoint, which then holds it
+            step_metrics["time_publish_s"] = await self._publish()
+            await self._checkpoint_if_due()  # which commits the groups it holds
+            await self._report(step_metrics, self._rl_record(message, step_metrics))
+            waiting_since = time.perf_counter()
+
+    async def _run_stream(self) -> None:
+        """CPT/SFT: read -> train -> publish -> checkpoint, one step per pass."""
+        plan = self._stream_plan() if self.runtime.is_leader else self._follow
+        while not self._finished():
+            started = time.perf_counter()
+            message = await self._next_message(plan, started)
+            if message.stop or message.part is None:
+                log.info("the data ended after %d steps", self.step)
+                return
+            local = await asyncio.to_thread(self.planner.microbatches, message.part)
+            step_metrics = await asyncio.to_thread(self.learner.sft_step, local, self.step)
+            computed = time.perf_counter() - started
+            step_metrics |= {
+                "examples": float(sum(len(items) for items in message.part)),
+                "tokens_per_s": step_metrics["tokens"] / max(computed, 1e-9),
+                "time_compute_s": computed,
+            }
+            self.step, self.cursor = self.step + 1, message.cursor
+            step_metrics["time_publish_s"] = await self._publish()
+            await self._checkpoint_if_due()
+            await self._report(step_metrics, {"cursor": self.cursor})
+
+    def _finished(self) -> bool:
+        return bool(self.job.max_steps) and self.step >= self.job.max_steps
+
+    async def _next_message(self, plan: Plan, waiting_since: float) -> StepMessage:
+        """Rank 0 plans the step; every rank gets its message and saves the checkpoints
+        requested since the last step."""
+        messages = await plan(waiting_since)
+        message: StepMessage = await asyncio.to_thread(self.runtime.scatter, messages)
+        await self.requests.save(message.checkpoint_tags, self._checkpoint)
+        return message
+
+    async def _follow(self, waiting_since: float) -> None:
+        """The plan of a rank other than 0: none (rank 0's comes through ``scatter``)."""
+
+    async def _plan_rl(
+        self, reconciler: ReconcilerClient, waiting_since: float
+    ) -> list[StepMessage]:
+        """Rank 0: this step's groups (retried while the reconciler is unreachable), their
+        records fetched and checked, the sequences cut into every rank's part."""
+        rl, base = self.job.rl, StepMessage(checkpoint_tags=self.requests.take())
+        pull = functools.partial(reconciler.pull_batch, rl.consumer_id, self.step)
+        answer = await self._retrying(
+            "PullBatch", lambda: pull(rl.groups_per_step, self.policy_version, rl.pull_wait_s)
+        )
+        base.waited_s = time.perf_counter() - waiting_since
+        if not answer.groups:
+            return [base] * self.runtime.world_size
+        skip, arch = rl.skip_uniform_task_groups, self.learner.model.arch
+        load = functools.partial(load_groups, skip_uniform_task_groups=skip)
+        pulled = await asyncio.to_thread(
+            load, self.store, answer.groups, arch, self.job.replay.mode
+        )
+        collected = collect_rl_items(pulled, skip_uniform_task_groups=skip)
+        base.stats = replace(collected, items=[])  # the sequences travel in the parts
+        base.group_ids = [group.group_id for group in answer.groups]
+        base.num_stale_dropped = answer.num_stale_dropped
+        base.provenance = version_provenance(answer.groups, self.policy_version)
+        parts = self.planner.plan(collected.items, rl.microbatch_tokens)
+        return [replace(base, part=part) for part in parts]
+
+    def _stream_plan(self) -> Plan:
+        """Rank 0's plan of CPT/SFT steps: the next examples from the data's cursor."""
+        data = self.job.data
+        assert data is not None, "the job's config requires data for cpt and sft"
+        stream = ExampleStream(open_source(data, self.model_dir), data.tokens_per_step, self.cursor)
+
+        async def plan(waiting_since: float) -> list[StepMessage]:
+            base = StepMessage(checkpoint_tags=self.requests.take())
+            examples = await asyncio.to_thread(stream.next_batch)
+            base.cursor, base.stop = stream.cursor, not examples
+            if not examples:
+                return [base] * self.runtime.world_size
+            parts = self.planner.plan(example_items(examples), data.tokens_per_step)
+            return [replace(base, part=part) for part in parts]
+
+        return plan
+
+    def _rl_record(self, message: StepMessage, step_metrics: dict[str, float]) -> dict[str, Any]:
+        """The step's record: its groups and where their versions came from."""
+        metrics.STEP_SECONDS.labels("wait").observe(message.waited_s)
+        metrics.STEP_SECONDS.labels("compute").observe(step_metrics["time_compute_s"])
+        record: dict[str, Any] = {"group_ids": message.group_ids, "time": time.time()}
+        if message.provenance:
+            staleness = message.provenance["staleness"]
+            step_metrics["staleness_mean"] = sum(staleness) / max(len(staleness), 1)
+            record |= message.provenance
+        return record
+
+    async def _publish(self) -> float:
+        """Starts publishing the new version when one is due; the seconds it took."""
+        started = time.perf_counter()
+        interval = self.job.publish_interval_steps
+        if interval and self.step % interval == 0:
+            await self.publisher.publish(self.learner.model, self.policy_version)
+        seconds = time.perf_counter() - started
+        metrics.STEP_SECONDS.labels("publish").observe(seconds)
+        return seconds
+
+    async def _checkpoint_if_due(self) -> None:
+        every = self.job.checkpoint.interval_steps
+        if every and self.step % every == 0:
+            await self._checkpoint()
+
+    async def _report(self, step_metrics: dict[str, float], record: dict[str, Any]) -> None:
+        """The step's metrics: for GetStatus, Prometheus and (rank 0) the metrics file."""
+        self.metrics = step_metrics
+        metrics.export(self.step, step_metrics)
+        metrics.POLICY_VERSION.set(self.policy_version)
+        if self.job.metrics_file is not None and self.runtime.is_leader:
+            record = {"step": self.step, "version": self.policy_version, **record, **step_metrics}
+            await asyncio.to_thread(metrics.append_record, self.job.metrics_file, record)
+
+    async def _checkpoint(self, tag: str | None = None) -> CheckpointInfo:
+        started = time.perf_counter()
+        state = {
             "step": self.step,
             "cursor": self.cursor,
             "initial_version": self.initial_version,
             "last_published_version": self.last_published_version,
             "uncommitted": self.uncommitted,
         }
-
-    def _finished(self) -> bool:
-        return bool(self.job.max_steps) and self.step >= self.job.max_steps
-
-    def _packing_cost(self, arch: Architecture) -> CostModel:
-        """The settings' cost model, or one rank 0 measures on this model and shares."""
-        from services.trainer.distributed.calibration import calibrate
-        from services.trainer.distributed.packing import CostModel
-
-        assert self.runtime is not None
-        packing = self.job.dist.packing
-        model: CostModel | None = None
-        if packing.calibrate and self.runtime.is_leader:
-            assert self.learner is not None
-            model = calibrate(
-                arch,
-                dtype=self.learner.model.dtype,
-                precision=resolve_experts_precision(
-                    self.job.model.experts_precision,
-                    self.learner.model.dtype,
-                    self.job.model.experts_backend,
-                ),
-                device=self.runtime.device,
-            )
-            log.info("packing cost measured: b / a = %.3g", model.per_token_pair)
-        elif not packing.calibrate:
-            model = CostModel(packing.cost_per_token, packing.cost_per_token_pair)
-        shared: CostModel = self.runtime.share(model)
-        return shared
-
-    async def request_checkpoint(self, tag: str) -> CheckpointInfo:
-        """Saves a tagged checkpoint at the next step boundary (at once when the job is done)."""
-        if self.runtime is not None and not self.runtime.is_leader:
-            raise RuntimeError("checkpoint requests go to global rank 0 (the trainer Service)")
-        if self.state == "done" and self.runtime is not None:
-            raise RuntimeError(
-                "the distributed job has ended and its ranks stopped; use the last checkpoint"
-            )
-        if self.state == "done":
-            return await self._checkpoint(tag)
-        if self.state in ("starting", "failed"):
-            raise RuntimeError(f"the training job is {self.state}; there is no state to save")
-        future: asyncio.Future[CheckpointInfo] = asyncio.get_running_loop().create_future()
-        await self._requests.put((tag, future))
-        return await future
-
-    async def _serve_requests(self) -> None:
-        if self.runtime is not None:
-            return  # every rank saves together: requests travel in the step messages
-        while not self._requests.empty():
-            tag, future = self._requests.get_nowait()
-            try:
-                future.set_result(await self._checkpoint(tag))
-            except Exception as error:
-                future.set_exception(error)
-
-    async def _checkpoint(self, tag: str | None = None) -> CheckpointInfo:
-        assert self.learner is not None
-        started = time.perf_counter()
-        state = self._job_state()
         info = await asyncio.to_thread(
             self.checkpoints.save, self.learner, state, step=self.step, tag=tag
         )
@@ -277,17 +337,13 @@ class TrainingJob:
         return info
 
     async def _commit(self) -> None:
-        """Commits what the newest checkpoint holds (idempotent)."""
-        reconciler = self.reconciler
-        if self.runtime is not None and not self.runtime.is_leader:
-            self.uncommitted = []  # rank 0 commits (and its checkpoint metadata lists them)
-            return
-        if reconciler is None or not self.uncommitted or self.step == 0:
-            return
-        groups, step = list(self.uncommitted), self.step - 1
-        await self._retrying(
-            "CommitBatch", lambda: reconciler.commit(self.job.rl.consumer_id, step, groups)
-        )
+        """Commits what the newest checkpoint holds (idempotent; rank 0 commits, and its
+        checkpoint metadata lists the groups)."""
+        reconciler, groups, step = self.reconciler, list(self.uncommitted), self.step - 1
+        if reconciler is not None and groups and self.step:
+            await self._retrying(
+                "CommitBatch", lambda: reconciler.commit(self.job.rl.consumer_id, step, groups)
+            )
         self.uncommitted = []
 
     async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
@@ -307,312 +363,36 @@ class TrainingJob:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 10.0)
 
-    async def _after_step(self, step_metrics: dict[str, float], record: dict[str, Any]) -> None:
-        """Publish, checkpoint, report: the end of every step of every phase."""
-        assert self.learner is not None and self.publisher is not None
-        self.step += 1
-        refresh = self.job.rl.reference_refresh_steps
-        if self.job.phase == "rl" and refresh and self.step % refresh == 0:
-            self.learner.refresh_reference()  # before the checkpoint, which then holds it
-        started = time.perf_counter()
-        interval = self.job.publish_interval_steps
-        if interval and self.step % interval == 0:
-            await self.publisher.publish(self.learner.model, self.policy_version)
-        step_metrics["time_publish_s"] = time.perf_counter() - started
-        metrics.STEP_SECONDS.labels("publish").observe(step_metrics["time_publish_s"])
-        if (
-            self.job.checkpoint.interval_steps
-            and self.step % self.job.checkpoint.interval_steps == 0
-        ):
-            await self._checkpoint()
-        self.metrics = step_metrics
-        metrics.export(self.step, step_metrics)
-        metrics.POLICY_VERSION.set(self.policy_version)
-        if self.job.metrics_file is not None and (self.runtime is None or self.runtime.is_leader):
-            record = {"step": self.step, "version": self.policy_version, **record, **step_metrics}
-            await asyncio.to_thread(metrics.append_record, self.job.metrics_file, record)
-
-    async def _run_rl(self) -> None:
-        assert self.reconciler is not None and self.learner is not None
-        waiting_since: float | None = None  # the step's wait spans its empty pulls
-        while not self._finished():
-            await self._serve_requests()
-            self.state = "waiting"
-            if waiting_since is None:
-                waiting_since = time.perf_counter()
-            answer = await self._pull_batch()
-            if not answer.groups:
-                continue
-            self.state = "running"
-            waited, waiting_since = time.perf_counter() - waiting_since, None
-            started = time.perf_counter()
-            batch = await asyncio.to_thread(self._prepare, answer.groups)
-            provenance = version_provenance(answer.groups, self.policy_version)
-            step_metrics = await asyncio.to_thread(self.learner.rl_step, batch, self.step)
-            group_ids = [group.group_id for group in answer.groups]
-            await self._end_rl_step(
-                batch,
-                step_metrics,
-                group_ids,
-                answer.num_stale_dropped,
-                waited,
-                started,
-                provenance,
+    async def request_checkpoint(self, tag: str) -> CheckpointInfo:
+        """Saves a tagged checkpoint at the next step boundary (at once when the job is
+        done in one process; the ranks of a distributed job have stopped by then)."""
+        if not self.runtime.is_leader:
+            raise RuntimeError("checkpoint requests go to global rank 0 (the trainer Service)")
+        if self.state == "done" and self.runtime.world_size > 1:
+            raise RuntimeError(
+                "the distributed job has ended and its ranks stopped; use the last checkpoint"
             )
-
-    async def _pull_batch(self) -> reconciler_pb2.PullBatchResponse:
-        """This step's groups from the reconciler (retried while it is unreachable)."""
-        assert self.reconciler is not None
-        rl = self.job.rl
-        pull = functools.partial(
-            self.reconciler.pull_batch,
-            rl.consumer_id,
-            self.step,
-            rl.groups_per_step,
-            self.policy_version,
-            rl.pull_wait_s,
-        )
-        return await self._retrying("PullBatch", pull)
-
-    async def _end_rl_step(
-        self,
-        batch: RLBatch,
-        step_metrics: dict[str, float],
-        group_ids: list[str],
-        num_stale_dropped: int,
-        waited: float,
-        started: float,
-        provenance: dict[str, Any] | None = None,
-    ) -> None:
-        computed = time.perf_counter() - started
-        step_metrics |= metrics.batch_metrics(batch, num_stale_dropped) | {
-            "groups": float(len(group_ids)),
-            "tokens_per_s": step_metrics["tokens"] / max(computed, 1e-9),
-            "time_wait_s": waited,
-            "time_compute_s": computed,
-        }
-        metrics.STEP_SECONDS.labels("wait").observe(waited)
-        metrics.STEP_SECONDS.labels("compute").observe(computed)
-        self.uncommitted.extend(group_ids)
-        record: dict[str, Any] = {"group_ids": group_ids, "time": time.time()}
-        if provenance:
-            staleness = provenance["staleness"]
-            step_metrics["staleness_mean"] = sum(staleness) / max(len(staleness), 1)
-            record |= provenance
-        await self._after_step(step_metrics, record)
-
-    async def _run_rl_distributed(self) -> None:
-        """The RL loop on every rank: rank 0 pulls and plans, every rank trains its share."""
-        from services.trainer.distributed.steps import StepMessage, scatter_plan, stats_only
-
-        runtime, rl = self.runtime, self.job.rl
-        assert runtime is not None and self.learner is not None
-        waiting_since: float | None = None  # the step's wait spans its empty pulls
-        while not self._finished():
-            self.state = "waiting"
-            if waiting_since is None:
-                waiting_since = time.perf_counter()
-            messages: list[StepMessage] | None = None
-            if runtime.is_leader:
-                assert self.reconciler is not None and self.cost_model is not None
-                base = StepMessage(checkpoint_tags=self._take_requests())
-                answer = await self._pull_batch()
-                base.waited_s = time.perf_counter() - waiting_since
-                messages = [base] * runtime.world_size
-                if answer.groups:
-                    collected = await asyncio.to_thread(self._collect, answer.groups)
-                    base.stats = stats_only(collected)
-                    base.group_ids = [group.group_id for group in answer.groups]
-                    base.num_stale_dropped = answer.num_stale_dropped
-                    base.provenance = version_provenance(answer.groups, self.policy_version)
-                    messages = scatter_plan(
-                        base, collected.items, runtime, self.cost_model, rl.microbatch_tokens
-                    )
-            message: StepMessage = await asyncio.to_thread(runtime.scatter, messages)
-            await self._save_tagged(message.checkpoint_tags)
-            if message.part is None or message.stats is None:
-                continue
-            self.state, waiting_since = "running", None
-            started = time.perf_counter()
-            local = await asyncio.to_thread(self._local_microbatches, message.part)
-            batch = message.stats.batch(local)
-            step_metrics = await asyncio.to_thread(self.learner.rl_step, batch, self.step)
-            await self._end_rl_step(
-                batch,
-                step_metrics,
-                message.group_ids,
-                message.num_stale_dropped,
-                message.waited_s,
-                started,
-                message.provenance,
-            )
-
-    def _collect(self, groups: Sequence[reconciler_pb2.Group]) -> RLItems:
-        assert self.learner is not None
-        skip = self.job.rl.skip_uniform_task_groups
-        pulled = load_groups(
-            self.store,
-            groups,
-            self.learner.model.arch,
-            self.job.replay.mode,
-            skip_uniform_task_groups=skip,
-        )
-        return collect_rl_items(pulled, skip_uniform_task_groups=skip)
-
-    def _local_microbatches(self, part: RankPart) -> list[Microbatch]:
-        from services.trainer.distributed.batching import local_microbatches
-
-        assert self.runtime is not None and self.learner is not None
-        arch = self.learner.model.arch
-        return local_microbatches(
-            part,
-            self.runtime.layout,
-            self.runtime.cp_index,
-            num_layers=arch.num_layers,
-            top_k=arch.top_k,
-            share_prefixes=self.job.shares_prefixes,
-        )
-
-    def _take_requests(self) -> list[str]:
-        """Rank 0: the tags requested since the last step (their futures wait in
-        ``_tag_futures`` until every rank has saved them)."""
-        tags = []
-        while not self._requests.empty():
-            tag, future = self._requests.get_nowait()
-            self._tag_futures.setdefault(tag, []).append(future)
-            if tag not in tags:
-                tags.append(tag)
-        return tags
-
-    async def _save_tagged(self, tags: list[str]) -> None:
-        """Every rank saves the tagged checkpoints rank 0 announced; rank 0 answers."""
-        for tag in tags:
-            futures = self._tag_futures.pop(tag, [])
-            try:
-                info = await self._checkpoint(tag)
-            except Exception as error:  # the same on every rank: rank 0 decided
-                for future in futures:
-                    future.set_exception(error)
-                continue
-            for future in futures:
-                future.set_result(info)
-
-    def _prepare(self, groups: Sequence[reconciler_pb2.Group]) -> RLBatch:
-        """Fetches and checks the pulled groups' rollout records; packs the batch."""
-        assert self.learner is not None
-        arch = self.learner.model.arch
-        skip = self.job.rl.skip_uniform_task_groups
-        pulled = load_groups(
-            self.store, groups, arch, self.job.replay.mode, skip_uniform_task_groups=skip
-        )
-        return build_rl_batch(
-            pulled,
-            microbatch_tokens=self.job.rl.microbatch_tokens,
-            num_layers=arch.num_layers,
-            top_k=arch.top_k,
-            skip_uniform_task_groups=skip,
-            share_prefixes=self.job.shares_prefixes,
-        )
-
-    async def _run_stream(self) -> None:
-        assert self.learner is not None and self.job.data is not None
-        source = open_source(self.job.data, self.model_dir)
-        stream = ExampleStream(source, self.job.data.tokens_per_step, self.cursor)
-        while not self._finished():
-            await self._serve_requests()
-            started = time.perf_counter()
-            examples = await asyncio.to_thread(stream.next_batch)
-            if not examples:
-                log.info("the data ended after %d steps", self.step)
-                return
-            step_metrics = await asyncio.to_thread(
-                self.learner.sft_step,
-                [to_microbatch(examples, share_prefixes=self.job.shares_prefixes)],
-                self.step,
-            )
-            computed = time.perf_counter() - started
-            self.cursor = stream.cursor
-            step_metrics |= {
-                "examples": float(len(examples)),
-                "tokens_per_s": step_metrics["tokens"] / max(computed, 1e-9),
-                "time_compute_s": computed,
-            }
-            await self._after_step(step_metrics, {"cursor": self.cursor})
-
-    async def _run_stream_distributed(self) -> None:
-        """CPT/SFT on every rank: rank 0 reads the data and plans, every rank trains."""
-        from services.trainer.distributed.steps import StepMessage, scatter_plan
-
-        runtime, data = self.runtime, self.job.data
-        assert runtime is not None and self.learner is not None and data is not None
-        stream = None
-        if runtime.is_leader:
-            source = open_source(data, self.model_dir)
-            stream = ExampleStream(source, data.tokens_per_step, self.cursor)
-        while not self._finished():
-            started = time.perf_counter()
-            messages: list[StepMessage] | None = None
-            if stream is not None:
-                assert self.cost_model is not None
-                base = StepMessage(checkpoint_tags=self._take_requests())
-                examples = await asyncio.to_thread(stream.next_batch)
-                base.cursor, base.stop = stream.cursor, not examples
-                messages = [base] * runtime.world_size
-                if examples:
-                    messages = scatter_plan(
-                        base,
-                        example_items(examples),
-                        runtime,
-                        self.cost_model,
-                        data.tokens_per_step,
-                    )
-            message: StepMessage = await asyncio.to_thread(runtime.scatter, messages)
-            await self._save_tagged(message.checkpoint_tags)
-            if message.stop or message.part is None:
-                log.info("the data ended after %d steps", self.step)
-                return
-            local = await asyncio.to_thread(self._local_microbatches, message.part)
-            step_metrics = await asyncio.to_thread(self.learner.sft_step, local, self.step)
-            computed = time.perf_counter() - started
-            self.cursor = message.cursor
-            step_metrics |= {
-                "examples": float(sum(len(items) for items in message.part)),
-                "tokens_per_s": step_metrics["tokens"] / max(computed, 1e-9),
-                "time_compute_s": computed,
-            }
-            await self._after_step(step_metrics, {"cursor": self.cursor})
+        if self.state == "done":
+            return await self._checkpoint(tag)
+        if self.state in ("starting", "failed"):
+            raise RuntimeError(f"the training job is {self.state}; there is no state to save")
+        return await self.requests.wait_for(tag)
 
     async def _finish(self) -> None:
-        assert self.learner is not None and self.publisher is not None
-        if self.runtime is not None:  # requests that came in during the last step
-            tags = self._take_requests() if self.runtime.is_leader else None
-            await self._save_tagged(await asyncio.to_thread(self.runtime.share, tags))
+        """The last checkpoint (and commit), the requests of the last step, the last
+        version published, and the export."""
+        tags = self.requests.take() if self.runtime.is_leader else None
+        await self.requests.save(
+            await asyncio.to_thread(self.runtime.share, tags), self._checkpoint
+        )
         latest = self.checkpoints.latest()
         if latest is None or latest.step != self.step:
             await self._checkpoint()
         await self._commit()
-        await self._serve_requests()
         await self.publisher.drain()
         if self.job.export_dir is not None:
-            await asyncio.to_thread(self._export, self.job.export_dir)
-        log.info("the %s job finished at step %d", self.job.phase, self.step)
-
-    def _export(self, out: Path) -> None:
-        assert self.learner is not None
-        if self.runtime is None:
-            save_pretrained(
-                self.learner.model,
-                out,
-                source_dir=self.model_dir,
-                policy_version=self.policy_version,
+            export = functools.partial(self.runtime.export, policy_version=self.policy_version)
+            await asyncio.to_thread(
+                export, self.learner.model, self.job.export_dir, source_dir=self.model_dir
             )
-            return
-        from services.trainer.distributed.publishing import export_pretrained
-
-        export_pretrained(
-            self.learner.model,
-            out,
-            source_dir=self.model_dir,
-            policy_version=self.policy_version,
-            runtime=self.runtime,
-        )
+        log.info("the %s job finished at step %d", self.job.phase, self.step)

@@ -1,11 +1,14 @@
 """Publishing policy versions without blocking the training loop.
 
-``publish(model, version)`` snapshots the model's HF-layout bf16 weights (the weights
-inference serves) and hands them to ``WeightPublisher``, which encodes deltas and
-uploads in the background. When a version's manifest is written, the reconciler is
-told (``PublishPolicyVersion``), so inference replicas and evals follow it. A resumed
-job retrains steps whose versions may already be in the store; since resume is exact,
-those versions are skipped rather than written twice.
+``publish(model, version)`` snapshots this rank's shard of the model's HF-layout bf16
+weights (the weights inference serves; ``TrainerRuntime.served_weights``: all of them in
+one process) and hands them to ``WeightPublisher``, which encodes deltas and uploads in
+the background. Every rank publishes its shard of every version (gathering is
+collective); shard 0 (rank 0) writes the manifest once every shard part is in. When a
+version's manifest is written, rank 0 tells the reconciler (``PublishPolicyVersion``),
+so inference replicas and evals follow it. A resumed job retrains steps whose versions
+may already be in the store; since resume is exact, those versions are skipped rather
+than written twice.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from services.config import WeightsConfig
 from services.objectstore.base import ObjectStore
 from services.reconciler.client import ReconcilerClient
 from services.trainer import metrics
-from services.trainer.model import Qwen3MoE, to_hf
+from services.trainer.model import Qwen3MoE
+from services.trainer.runtime import TrainerRuntime
 from services.weights.manifest import Layout, read_latest
 from services.weights.publisher import PublishResult, WeightPublisher
 
@@ -28,7 +32,8 @@ log = logging.getLogger(__name__)
 
 
 class PolicyPublisher:
-    """Versions of one run: background uploads, then a notice to the reconciler."""
+    """Versions of one run: this rank's shard uploaded in the background, then (rank 0)
+    a notice to the reconciler."""
 
     def __init__(
         self,
@@ -36,10 +41,15 @@ class PolicyPublisher:
         run: str,
         config: WeightsConfig,
         reconciler: ReconcilerClient | None,
+        runtime: TrainerRuntime,
     ) -> None:
         self.layout = Layout(run)
-        self.reconciler = reconciler
-        self.publisher = WeightPublisher(store, run, config)
+        self.reconciler = reconciler if runtime.is_leader else None
+        self.runtime = runtime
+        self.publisher = WeightPublisher(
+            store, run, config, shard=runtime.rank, num_shards=runtime.world_size
+        )
+        # Read once at start, so the same on every rank.
         latest = read_latest(store, self.layout)
         self.already_published = -1 if latest is None else latest
         self.last_published_version = max(self.already_published, 0)
@@ -47,14 +57,16 @@ class PolicyPublisher:
         self.failures = 0
 
     async def publish(self, model: Qwen3MoE, version: int) -> bool:
-        """Starts publishing ``version`` (waits only to copy the weights); False if skipped.
+        """Starts publishing this rank's shard of ``version`` (collective; waits only to copy
+        the weights); False if skipped.
 
         The copy runs in a thread: it also waits when uploads fall a version behind, which
         is the backpressure training should feel.
         """
         if version <= self.already_published:
             return False
-        future = await asyncio.to_thread(lambda: self.publisher.publish(to_hf(model), version))
+        tensors = await asyncio.to_thread(self.runtime.served_weights, model)
+        future = await asyncio.to_thread(self.publisher.publish, tensors, version)
         task = asyncio.get_running_loop().create_task(self._announce(version, future))
         self._announcements.add(task)
         task.add_done_callback(self._announcements.discard)

@@ -14,6 +14,9 @@ Helm chart's StatefulSet runs on every node) starts N processes per node. Each o
    process** runs the job without listeners. All ranks train.
 
 Without ``[trainer.job]`` only local rank 0 serves (an idle trainer); the others exit.
+``services.trainer.service.run`` asks ``start_runtime`` for the process's runtime once
+(a ``LocalRuntime`` when no launcher started several processes) and hands it to the
+service, or to ``train_without_listeners``.
 """
 
 from __future__ import annotations
@@ -26,11 +29,9 @@ from typing import TYPE_CHECKING
 from services.run_config import EtudeConfig
 
 if TYPE_CHECKING:
-    from services.trainer.distributed.runtime import Runtime
+    from services.trainer.runtime import TrainerRuntime
 
 log = logging.getLogger(__name__)
-
-_runtime: Runtime | None = None
 
 
 def launched_distributed() -> bool:
@@ -38,46 +39,36 @@ def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def current_runtime() -> Runtime | None:
-    """The runtime ``run`` started in this process (None in a single-process trainer)."""
-    return _runtime
+def local_rank() -> int:
+    """This process's rank within its node (0 when no launcher set ``LOCAL_RANK``)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def run(config: EtudeConfig) -> None:
-    """Runs this process's part of the distributed trainer until it ends or is stopped."""
-    global _runtime
+def start_runtime(config: EtudeConfig) -> TrainerRuntime:
+    """The runtime of this process's part of the job: ``LocalRuntime`` in one process;
+    under torchrun the job's layout is checked (on every rank, before any collective)
+    and the process joins the group."""
     from services.trainer.distributed.layout import check_job
     from services.trainer.distributed.runtime import ProcessInfo, start
     from services.trainer.model.architecture import Architecture
-    from services.trainer.service import TrainerService
-    from services.wire.server import run_service
+    from services.trainer.runtime import LocalRuntime
 
-    info = ProcessInfo.from_env()
     job = config.trainer.job
-    if job is None:
-        if info.local_rank == 0:
-            run_service(TrainerService, config)
-        else:
-            log.info("no [trainer.job]: local rank %d has nothing to do", info.local_rank)
-        return
+    if job is None or not launched_distributed():
+        return LocalRuntime()
+    info = ProcessInfo.from_env()
     model_dir = job.model.model_dir or config.inference.engine.model_dir
     layout = check_job(job, Architecture.from_model_dir(model_dir), info.world_size)
-    _runtime = start(layout, backend=job.dist.backend, timeout_s=job.dist.timeout_s, info=info)
-    try:
-        if _runtime.serves_http:
-            run_service(TrainerService, config)
-        else:
-            asyncio.run(_follow(config, _runtime))
-    finally:
-        _runtime.close()
-        _runtime = None
+    return start(layout, backend=job.dist.backend, timeout_s=job.dist.timeout_s, info=info)
 
 
-async def _follow(config: EtudeConfig, runtime: Runtime) -> None:
+async def train_without_listeners(config: EtudeConfig, runtime: TrainerRuntime) -> None:
+    """This rank's part of the job, on a process that serves nothing (not local rank 0)."""
     from services.objectstore.factory import open_store
     from services.trainer.job import TrainingJob
 
-    job = TrainingJob(config, open_store(config.object_store), None, runtime)
+    store = open_store(config.object_store)
+    job = await asyncio.to_thread(TrainingJob.build, config, store, None, runtime)
     await job.run()
     if job.state == "failed":
         raise RuntimeError(f"rank {runtime.rank}: the training job failed: {job.error}")

@@ -1,11 +1,10 @@
 """Publishing and exporting the weights of a sharded model.
 
-**Publishing**: every rank publishes one shard of each version
-(``WeightPublisher(shard=rank, num_shards=world)``): the experts it holds (the ranks of
-the first expert copy, ``edp`` index 0, publish theirs) and a share of the dense tensors,
-gathered whole and given out so that every rank uploads about as many bytes. Shard 0
-(rank 0) writes the manifest once every shard part is in, then tells the reconciler.
-Gathering is collective, so every rank publishes every version.
+**Publishing** (``services.trainer.publishing``): every rank publishes one shard of each
+version (``WeightPublisher(shard=rank, num_shards=world)``): the experts it holds (the
+ranks of the first expert copy, ``edp`` index 0, publish theirs) and a share of the dense
+tensors, gathered whole and given out so that every rank uploads about as many bytes
+(``shard_tensors``). Gathering is collective, so every rank publishes every version.
 
 **Exporting** (``export_dir``): the full state dict is gathered on rank 0, which writes
 the HF model directory.
@@ -13,7 +12,6 @@ the HF model directory.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +19,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from services.config import WeightsConfig
-from services.objectstore.base import ObjectStore
-from services.reconciler.client import ReconcilerClient
 from services.trainer.distributed.runtime import Runtime
 from services.trainer.model import Qwen3MoE, save_pretrained
 from services.trainer.model.hf_io import state_to_hf
-from services.trainer.publishing import PolicyPublisher
-from services.weights.publisher import WeightPublisher
 
 _EXPERT_SUFFIXES = (".mlp.experts.gate_up", ".mlp.experts.down")
 
@@ -72,36 +65,6 @@ def _balanced_owners(sizes: np.ndarray, runtime: Runtime, own_bytes: int) -> lis
         owners[int(index)] = owner
         loads[owner] += float(sizes[index])
     return owners
-
-
-class ShardedPolicyPublisher(PolicyPublisher):
-    """``PolicyPublisher`` for one rank of a distributed job (its shard; rank 0 announces)."""
-
-    def __init__(
-        self,
-        store: ObjectStore,
-        run: str,
-        config: WeightsConfig,
-        reconciler: ReconcilerClient | None,
-        runtime: Runtime,
-    ) -> None:
-        super().__init__(store, run, config, reconciler if runtime.is_leader else None)
-        self.publisher.close()  # the single-shard publisher the base made
-        self.publisher = WeightPublisher(
-            store, run, config, shard=runtime.rank, num_shards=runtime.world_size
-        )
-        self.runtime = runtime
-
-    async def publish(self, model: Qwen3MoE, version: int) -> bool:
-        """Starts publishing this rank's shard of ``version`` (collective); False if skipped."""
-        if version <= self.already_published:  # the same on every rank: read at start
-            return False
-        tensors = await asyncio.to_thread(shard_tensors, model, self.runtime)
-        future = await asyncio.to_thread(self.publisher.publish, tensors, version)
-        task = asyncio.get_running_loop().create_task(self._announce(version, future))
-        self._announcements.add(task)
-        task.add_done_callback(self._announcements.discard)
-        return True
 
 
 def export_pretrained(
