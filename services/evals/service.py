@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 MAX_SAMPLES = 1024
 Stored = tuple[EvalRecord, common_pb2.ObjectRef]
 REPORT_PATH = "/report/"
-_REPORT_FILE = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+_REPORT_FILE = re.compile(r"\A[A-Za-z0-9_.-]{1,100}\Z")
 _MEDIA_TYPES = {".html": "text/html", ".json": "application/json", ".png": "image/png"}
 
 

@@ -35,6 +35,29 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+class _QuietStreamDetach(logging.Filter):
+    """Drops OpenTelemetry's "Failed to detach context" for cancelled server streams.
+
+    Its aio stream interceptor keeps the span's context attached inside an async
+    generator; when a caller cancels a stream between two messages, that generator is
+    never resumed, and asyncio finalizes it later in another Context, where resetting
+    the context var fails and OpenTelemetry logs ERROR with a traceback. Nothing is
+    lost (the span ends, and the context it would have restored is discarded), so it
+    is kept only at DEBUG.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != "Failed to detach context":
+            return True
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def _quiet_cancelled_streams() -> None:
+    otel = logging.getLogger("opentelemetry.context")
+    if not any(isinstance(f, _QuietStreamDetach) for f in otel.filters):
+        otel.addFilter(_QuietStreamDetach())
+
+
 def _traced(details: grpc.HandlerCallDetails) -> bool:
     """Health checks get a span only inside a caller's trace; bare probes would flood traces."""
     if not details.method.startswith("/grpc.health.v1.Health/"):
@@ -48,6 +71,7 @@ def build_server(
     """The aio server of `service`, with every shared interceptor and servicer added."""
     settings = service.settings.grpc
     token = service.config.auth.token
+    _quiet_cancelled_streams()
     interceptors: list[aio.ServerInterceptor] = [
         aio_server_interceptor(tracer_provider=tracer_provider, filter_=_traced),
         ObservedCalls(service.classify_error),
