@@ -28,6 +28,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -89,6 +90,7 @@ class TrainingJob:
         checkpoints: CheckpointStore,
         publisher: PolicyPublisher,
         store: ObjectStore,
+        resumed: dict[str, Any],
     ) -> None:
         self.config, self.job, self.store = config, job, store
         self.reconciler = reconciler  # rank 0 of an RL job: what to pull and commit
@@ -96,9 +98,10 @@ class TrainingJob:
         self.checkpoints, self.publisher = checkpoints, publisher
         self.model_dir = job.model.model_dir or config.inference.engine.model_dir
         self.state, self.error = "starting", ""
-        self.step = self.cursor = self.initial_version = 0
+        self.step, self.cursor = int(resumed["step"]), int(resumed["cursor"])
+        self.initial_version = int(resumed["initial_version"])
+        self.uncommitted: list[str] = list(resumed["uncommitted"])
         self.metrics: dict[str, float] = {}
-        self.uncommitted: list[str] = []
         self.requests = CheckpointRequests()
 
     @classmethod
@@ -124,26 +127,24 @@ class TrainingJob:
         learner = Learner.load(model_dir, job, runtime)
         planner = runtime.planner(job, learner.model)
         checkpoints = CheckpointStore(checkpoint_root(config), job.checkpoint.keep_last, runtime)
+        resumed = cls._resume(checkpoints, learner, model_dir)
         publisher = PolicyPublisher(store, config.run.name, config.weights, reconciler, runtime)
-        built = cls(
-            config, job, reconciler, runtime, learner, planner, checkpoints, publisher, store
-        )
-        built._resume()
-        return built
+        parts = (learner, planner, checkpoints, publisher, store, resumed)
+        return cls(config, job, reconciler, runtime, *parts)
 
-    def _resume(self) -> None:
-        """The start version of the model, or the newest checkpoint's state."""
-        card = self.model_dir / "etude_model.json"
-        if card.is_file():
-            self.initial_version = int(json.loads(card.read_text()).get("policy_version", 0))
-        self.checkpoints.discard_partial()
-        latest = self.checkpoints.latest()
+    @staticmethod
+    def _resume(checkpoints: CheckpointStore, learner: Learner, model_dir: Path) -> dict[str, Any]:
+        """The newest checkpoint's job state, ``learner`` restored from it; or a fresh
+        start's: step 0 at the model card's version."""
+        checkpoints.discard_partial()
+        latest = checkpoints.latest()
         if latest is not None:
-            state = self.checkpoints.load(latest, self.learner)
-            self.step, self.cursor = int(state["step"]), int(state["cursor"])
-            self.initial_version = int(state["initial_version"])
-            self.uncommitted = list(state["uncommitted"])
-            log.info("resumed from %s at step %d", latest.location, self.step)
+            log.info("resuming from %s at step %d", latest.location, latest.step)
+            return checkpoints.load(latest, learner)
+        card, version = model_dir / "etude_model.json", 0
+        if card.is_file():
+            version = int(json.loads(card.read_text()).get("policy_version", 0))
+        return {"step": 0, "cursor": 0, "initial_version": version, "uncommitted": []}
 
     @property
     def policy_version(self) -> int:
@@ -256,10 +257,8 @@ class TrainingJob:
         if not answer.groups:
             return [base] * self.runtime.world_size
         skip, arch = rl.skip_uniform_task_groups, self.learner.model.arch
-        load = functools.partial(load_groups, skip_uniform_task_groups=skip)
-        pulled = await asyncio.to_thread(
-            load, self.store, answer.groups, arch, self.job.replay.mode
-        )
+        load = functools.partial(load_groups, self.store, skip_uniform_task_groups=skip)
+        pulled = await asyncio.to_thread(load, answer.groups, arch, self.job.replay.mode)
         collected = collect_rl_items(pulled, skip_uniform_task_groups=skip)
         base.stats = replace(collected, items=[])  # the sequences travel in the parts
         base.group_ids = [group.group_id for group in answer.groups]
