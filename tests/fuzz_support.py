@@ -21,6 +21,8 @@ from google.protobuf.message import Message
 from hypothesis import strategies as st
 
 MAX_DEPTH = 3
+# How a message's values are drawn (see `messages`).
+HOSTILE, PLAUSIBLE, TYPICAL = "hostile", "plausible", "typical"
 
 _INT_EDGES = [
     0,
@@ -140,7 +142,7 @@ def typical(field: FieldDescriptor) -> st.SearchStrategy[Any]:
         assert field.enum_type is not None
         return st.sampled_from([v.number for v in field.enum_type.values if v.number] or [0])
     if kind in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
-        return st.sampled_from([0.5, 1.0, 5.0])
+        return st.sampled_from([0.5, 1.0])
     if kind == FieldDescriptor.TYPE_BOOL:
         return st.booleans()
     if kind == FieldDescriptor.TYPE_STRING:
@@ -150,38 +152,38 @@ def typical(field: FieldDescriptor) -> st.SearchStrategy[Any]:
     raise AssertionError(f"no strategy for field type {kind} of {field.full_name}")
 
 
-def _value(field: FieldDescriptor, plausible: bool) -> st.SearchStrategy[Any]:
-    """A scalar: hostile, or (plausible) mostly everyday with a hostile one now and then."""
-    if not plausible:
+def _value(field: FieldDescriptor, mode: str) -> st.SearchStrategy[Any]:
+    """A scalar of the mode: hostile, everyday, or everyday with a hostile one now and then."""
+    if mode == HOSTILE:
         return scalar(field)
+    if mode == TYPICAL:
+        return typical(field)
     return st.one_of(*[typical(field)] * 7, scalar(field))
 
 
-def _field_values(
-    field: FieldDescriptor, depth: int, plausible: bool
-) -> st.SearchStrategy[Any] | None:
+def _field_values(field: FieldDescriptor, depth: int, mode: str) -> st.SearchStrategy[Any] | None:
     """A strategy for the field's value (a list for repeated fields), or None past MAX_DEPTH."""
     if field.message_type is not None and field.message_type.GetOptions().map_entry:
-        key = _value(field.message_type.fields_by_name["key"], plausible)
+        key = _value(field.message_type.fields_by_name["key"], mode)
         value_field = field.message_type.fields_by_name["value"]
-        value = _single(value_field, depth + 1, plausible)
+        value = _single(value_field, depth + 1, mode)
         if value is None:
             return None
         return st.dictionaries(key, value, max_size=3)
-    single = _single(field, depth, plausible)
+    single = _single(field, depth, mode)
     if single is None:
         return None
     if field.is_repeated:
-        return st.lists(single, min_size=1 if plausible else 0, max_size=3)
+        return st.lists(single, min_size=0 if mode == HOSTILE else 1, max_size=3)
     return single
 
 
-def _single(field: FieldDescriptor, depth: int, plausible: bool) -> st.SearchStrategy[Any] | None:
+def _single(field: FieldDescriptor, depth: int, mode: str) -> st.SearchStrategy[Any] | None:
     if field.message_type is None:
-        return _value(field, plausible)
+        return _value(field, mode)
     if depth >= MAX_DEPTH:
         return None
-    return messages(field.message_type, depth + 1, plausible)
+    return messages(field.message_type, depth + 1, mode)
 
 
 def _build(descriptor: Descriptor) -> Callable[[dict[str, Any]], Message]:
@@ -216,18 +218,23 @@ def _build(descriptor: Descriptor) -> Callable[[dict[str, Any]], Message]:
 
 
 def messages(
-    descriptor: Descriptor, depth: int = 0, plausible: bool = False
+    descriptor: Descriptor, depth: int = 0, mode: str = HOSTILE
 ) -> st.SearchStrategy[Message]:
     """Messages of `descriptor`'s type; each field is left unset or given a drawn value.
-    `plausible` draws mostly everyday values (and sets most fields), with a hostile
-    value here and there, so that more requests get past validation to the state
-    machine behind it."""
+    HOSTILE draws extremes; TYPICAL everyday values (and sets most fields), so that
+    requests get past validation to the state machine behind it; PLAUSIBLE is TYPICAL
+    with a hostile value here and there."""
     fields: dict[str, st.SearchStrategy[Any]] = {}
     for field in descriptor.fields:
-        values = _field_values(field, depth, plausible)
+        values = _field_values(field, depth, mode)
         if values is not None:
-            # Hypothesis favours the first branches: a plausible field is mostly set.
-            branches = [values, values, st.none()] if plausible else [st.none(), values]
+            # An everyday request sets every scalar field and some messages; a plausible
+            # one most fields.
+            branches = {
+                HOSTILE: [st.none(), values],
+                PLAUSIBLE: [values, values, st.none()],
+                TYPICAL: [values] if field.message_type is None else [values, st.none()],
+            }[mode]
             fields[field.name] = st.one_of(*branches)
     return st.fixed_dictionaries(fields).map(_build(descriptor))
 
@@ -271,15 +278,17 @@ def _wrong_wire_types(draw: st.DrawFn, descriptor: Descriptor) -> bytes:
 def request_bodies(descriptor: Descriptor) -> st.SearchStrategy[bytes]:
     """Bodies for a method taking `descriptor`: mostly messages, some not."""
     serialized = messages(descriptor).map(lambda message: message.SerializeToString())
-    plausible = messages(descriptor, plausible=True).map(
+    plausible = messages(descriptor, mode=PLAUSIBLE).map(
         lambda message: message.SerializeToString()
     )
+    everyday = messages(descriptor, mode=TYPICAL).map(lambda message: message.SerializeToString())
     cut = serialized.filter(lambda body: len(body) > 1).flatmap(
         lambda body: st.integers(1, len(body) - 1).map(lambda end: body[:end])
     )
     return st.one_of(
+        everyday,
         plausible,
-        plausible,
+        everyday,
         serialized,
         st.binary(max_size=64),
         cut,
