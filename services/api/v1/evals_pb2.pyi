@@ -48,10 +48,11 @@ class RunEvalRequest(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _builtins.int
     WAIT_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
+    """A published version, 0 .. 2^53 - 1."""
     suite: _builtins.str
-    """Suite name, e.g. "synthetic-heldout", "humaneval"."""
+    """Suite name, e.g. "synthetic-heldout", "humaneval" (an id)."""
     num_samples: _builtins.int
-    """K samples per task; 0 means the suite's default."""
+    """K samples per task, 0 .. 1,024; 0 means the suite's default."""
     wait: _builtins.bool
     """Answer only when the eval is finished."""
     def __init__(
@@ -244,9 +245,9 @@ class GetResultsRequest(_message.Message):
     SUITE_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     suite: _builtins.str
-    """Empty means every suite."""
+    """Empty means every suite; otherwise a suite name (an id)."""
     policy_version: _builtins.int
-    """Unset means every version."""
+    """Unset means every version; 0 .. 2^53 - 1."""
     def __init__(
         self,
         *,
