@@ -77,6 +77,10 @@ def check_message(message: Message, prefix: str = "") -> None:
     if not _needs_checks(message.DESCRIPTOR):
         return
     for field, value in message.ListFields():
+        if field.message_type is None and field.type not in _CHECKED:
+            continue  # token ids, strings, bytes: nothing to check here
+        if field.message_type is not None and not _needs_checks(field.message_type):
+            continue
         path = f"{prefix}{field.name}"
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             value_field = field.message_type.fields_by_name["value"]
