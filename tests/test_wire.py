@@ -250,3 +250,42 @@ def test_free_ports_stay_out_of_the_range_outgoing_connections_take(
     assert ephemeral_start(tmp_path / "missing") == 32_768
     monkeypatch.setattr(ports_module, "ephemeral_start", lambda: 20_000)  # no room below
     assert len(set(free_ports(4))) == 4  # the kernel picks
+
+
+def test_requests_are_checked_from_their_descriptors() -> None:
+    """Unknown enums, non-finite floats and inexact 64-bit integers, named by path."""
+    import math
+
+    from services.api.v1 import reconciler_pb2
+    from services.wire.requests import MAX_EXACT_INT, check_message
+
+    def problem(message: object) -> str:
+        with pytest.raises(InvalidArgument) as error:
+            check_message(message)  # type: ignore[arg-type]
+        return str(error.value)
+
+    summary = common_pb2.RolloutSummary(
+        reward=common_pb2.RewardParts(behaviour_parts={"todo": math.nan})
+    )
+    complete = reconciler_pb2.CompleteSlotRequest(rollout=summary)
+    assert problem(complete).startswith("rollout.reward.behaviour_parts['todo']: must be a finite")
+    claim = reconciler_pb2.ClaimSlotsRequest(kinds=[1, 7])
+    assert problem(claim).startswith("kinds[1]: 7 is not a SlotKind")
+    pull = reconciler_pb2.PullBatchRequest(step=MAX_EXACT_INT + 1)
+    assert problem(pull).startswith("step: must be within")
+    check_message(reconciler_pb2.PullBatchRequest(step=MAX_EXACT_INT, wait_s=1.5))
+
+
+def test_bad_bodies_are_logged_at_most_a_few_times_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from services.wire.requests import RateLimitedLog
+
+    logger = logging.getLogger("test.rate_limited")
+    limited = RateLimitedLog(logger, burst=3, interval_s=3600)
+    with caplog.at_level(logging.WARNING, logger="test.rate_limited"):
+        for index in range(50):
+            limited.warning("bad body %d", index)
+    assert [r.getMessage() for r in caplog.records] == [f"bad body {i}" for i in range(3)]
