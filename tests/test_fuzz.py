@@ -1,5 +1,5 @@
-"""Fuzzing every method of the reconciler, envs and evals services, started as real
-processes (inference, which needs a vLLM engine, is not fuzzed here).
+"""Fuzzing every method of the reconciler, envs, evals and inference services, started as
+real processes (inference is the shared deployment's, since its vLLM engine is costly).
 
 Request bodies come from ``tests.fuzz_support`` (strategies built from the proto
 descriptors: extreme and unknown values, hostile strings, bodies that are not
@@ -38,11 +38,18 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, settings
 
-from services.api.v1 import common_pb2, envs_pb2, envs_pb2_grpc, evals_pb2, reconciler_pb2
+from services.api.v1 import (
+    common_pb2,
+    envs_pb2,
+    envs_pb2_grpc,
+    evals_pb2,
+    inference_pb2,
+    reconciler_pb2,
+)
 from services.reconciler.client import ReconcilerClient
 from services.wire.client import make_channel
 from services.wire.ports import free_ports
-from tests.conftest import REPO, TOKEN, service_env, stop_process, wait_ready
+from tests.conftest import REPO, TOKEN, Deployment, service_env, stop_process, wait_ready
 from tests.fuzz_support import request_bodies
 from tests.reconciler_support import ReconcilerProcess, reconciler
 from tests.test_reconciler_store import rollout, task
@@ -322,3 +329,19 @@ def test_fuzz_evals(targets: Targets) -> None:
         assert len(suites.suites) > 0
     log = evals_log.read_text(errors="replace")
     assert " ERROR " not in log and "Traceback" not in log, log[-4000:]
+
+
+def test_fuzz_inference(deployment: Deployment) -> None:
+    """Inference from the shared deployment (its vLLM engine is the expensive part)."""
+    tally = Tally()
+    service = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
+    log_path = deployment.logs["inference"]
+    start = log_path.stat().st_size
+    fuzz(deployment.target("inference"), service, tally)
+    _report(service.name, tally)
+    assert len(tally.by_method) == len(service.methods)
+    assert not NEVER & {grpc.StatusCode[name] for name in tally.statuses}
+    with log_path.open("rb") as log:
+        log.seek(start)
+        written = log.read().decode(errors="replace")
+    assert " ERROR " not in written and "Traceback" not in written, written[-4000:]
