@@ -1,5 +1,6 @@
-"""Fuzzing every method of the reconciler, envs, evals and inference services, started as
-real processes (inference is the shared deployment's, since its vLLM engine is costly).
+"""Fuzzing every method of every service, started as real processes: the reconciler, envs
+and evals here; inference and the trainer from the shared deployment (its vLLM engine is
+costly to start).
 
 Request bodies come from ``tests.fuzz_support`` (strategies built from the proto
 descriptors: extreme and unknown values, hostile strings, bodies that are not
@@ -45,6 +46,7 @@ from services.api.v1 import (
     evals_pb2,
     inference_pb2,
     reconciler_pb2,
+    trainer_pb2,
 )
 from services.reconciler.client import ReconcilerClient
 from services.wire.client import make_channel
@@ -61,7 +63,7 @@ EXAMPLES = int(os.environ.get("ETUDE_FUZZ_EXAMPLES", {"short": 40, "long": 2000}
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 UNARY_TIMEOUT_S = 5.0
-STREAM_READ_S = 1.0
+STREAM_READ_S = 0.3
 # Every this many calls, one goes without the token.
 UNAUTHENTICATED_EVERY = 7
 
@@ -331,13 +333,19 @@ def test_fuzz_evals(targets: Targets) -> None:
     assert " ERROR " not in log and "Traceback" not in log, log[-4000:]
 
 
-def test_fuzz_inference(deployment: Deployment) -> None:
-    """Inference from the shared deployment (its vLLM engine is the expensive part)."""
+@pytest.mark.parametrize(
+    ("name", "service"),
+    [
+        ("inference", inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]),
+        ("trainer", trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]),
+    ],
+)
+def test_fuzz_deployment(deployment: Deployment, name: str, service: ServiceDescriptor) -> None:
+    """Inference and the trainer of the shared deployment (a vLLM engine is costly to start)."""
     tally = Tally()
-    service = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"]
-    log_path = deployment.logs["inference"]
+    log_path = deployment.logs[name]
     start = log_path.stat().st_size
-    fuzz(deployment.target("inference"), service, tally)
+    fuzz(deployment.target(name), service, tally)
     _report(service.name, tally)
     assert len(tally.by_method) == len(service.methods)
     assert not NEVER & {grpc.StatusCode[name] for name in tally.statuses}
