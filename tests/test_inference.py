@@ -25,6 +25,7 @@ from services.api.v1 import (
     reconciler_pb2_grpc,
 )
 from services.config import WeightsConfig
+from services.envs.tools import ToolState
 from services.objectstore.local import FileObjectStore
 from services.weights.publisher import WeightPublisher
 from services.wire.client import make_channel
@@ -134,7 +135,9 @@ def replica(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                 "weights": ["poll_interval_s = 60"],
                 # Long generations, one at a time: while requests are queued, one is always
                 # mid-way in the engine, so an update lands in the middle of one.
-                "inference.engine": ["max_model_len = 2048", "max_num_seqs = 1"],
+                # Blocks of 32 tokens (vLLM's CPU attention needs a multiple of 32): short
+                # turns still hit the prefix cache.
+                "inference.engine": ["max_model_len = 2048", "max_num_seqs = 1", "block_size = 32"],
             },
         )
         text = config.read_text().replace(
@@ -336,6 +339,138 @@ def test_weights_update_in_flight(replica: Replica, tiny_model: Path) -> None:
         # Had the engine kept the old weights, the logprobs would be far off: the switch is real.
         stale = continuation_logprobs(old_model, old_model, prompt, generated, switch)
         assert (stale - served[switch:]).abs().mean().item() > 5 * error.mean().item()
+
+
+class _NoTools:
+    """Tools for a model that calls none on purpose: any call it stumbles on gets text."""
+
+    state = ToolState()
+
+    def call(self, call: object) -> str:
+        return "error: no tools in this test"
+
+
+def _agreement(model: torch.nn.Module, ran: list[int], routing: np.ndarray) -> float:
+    """Fraction of (token, layer) whose captured top-k set is the model's router top-k."""
+    agree = total = 0
+    for layer, probs in enumerate(router_probabilities(model, ran)):
+        top = torch.topk(probs, routing.shape[2], dim=-1).indices
+        for token in range(len(ran)):
+            agree += set(top[token].tolist()) == set(routing[token, layer].tolist())
+            total += 1
+    return agree / total
+
+
+def test_multi_turn_routes_are_those_of_sampling_time(replica: Replica, tiny_model: Path) -> None:
+    """Three turns through the harness, tool output between them, and a weight update
+    after the first: the routes kept for turn 1's tokens are the ones captured when they
+    were sampled (under the old version), not the newer version's re-prefill; every
+    trained token's input row comes from the forward, and so the version, that sampled
+    it; each call sent only the rows the rollout did not hold; and the trainer replays
+    exactly that table."""
+    from transformers import AutoTokenizer
+
+    from services.envs.config import HarnessConfig
+    from services.envs.harness import Generation, Harness
+    from services.envs.inference_client import InferenceGenerator
+    from services.trainer.model import Architecture
+    from services.trainer.rollouts import parse_segment
+
+    old_version = _status(replica.target).serving_version
+    new_version = old_version + 1
+    new_state = perturbed_state(tiny_model, seed=new_version, scale=0.5)
+    publisher = WeightPublisher(replica.store, RUN, WeightsConfig(collect_garbage=False))
+    try:
+        publisher.publish(new_state, new_version).result(timeout=60)
+    finally:
+        publisher.close()
+    calls: list[tuple[list[int], Generation]] = []
+
+    async def run() -> common_pb2.Segment:
+        async with make_channel(replica.target, token=TOKEN, default_timeout_s=300) as channel:
+            generator = InferenceGenerator(channel, temperature=1.0, seed=None)
+
+            async def generate(
+                prompt: list[int], max_tokens: int, stop: list[int], routes_from: int
+            ) -> Generation:
+                if len(calls) == 1:  # between turn 1 and turn 2
+                    notice = common_pb2.PolicyVersionNotice(
+                        version=new_version,
+                        manifest_key=f"weights/{RUN}/v{new_version:08d}/manifest.json",
+                    )
+                    await asyncio.to_thread(_announce, replica, notice)
+                    deadline = time.monotonic() + 180
+                    while await asyncio.to_thread(_serving_version, replica.target) != new_version:
+                        assert time.monotonic() < deadline, replica.log.read_text()[-3000:]
+                        await asyncio.sleep(0.3)
+                generation = await generator(list(prompt), max_tokens, stop, routes_from)
+                calls.append((list(prompt), generation))
+                return generation
+
+            harness = Harness(
+                generate,
+                AutoTokenizer.from_pretrained(tiny_model),
+                HarnessConfig(max_turns=3, max_tokens_per_turn=24, require_finish=True),
+            )
+            task = common_pb2.Task(task_id="routes/0", instruction="Add one to x.")
+            result = await harness.run(task, _NoTools())  # type: ignore[arg-type]
+            assert len(result.segments) == 1
+            return result.segments[0]
+
+    segment = asyncio.run(run())
+    tokens = list(segment.token_ids)
+    assert len(calls) == 3
+    stitched = unpack_routing(segment.routed_experts)
+    assert stitched.shape == (len(tokens) - 1, 2, 2)
+
+    # Each call's rows start where the rollout's held rows ended; nothing is sent twice.
+    row_version = np.zeros(len(tokens) - 1, dtype=np.int64)
+    start = 0
+    for index, (prompt, generation) in enumerate(calls):
+        assert generation.routing_start == start
+        rows = unpack_routing(generation.routing)  # type: ignore[arg-type]
+        assert len(prompt) + len(generation.token_ids) - 1 == start + len(rows)
+        np.testing.assert_array_equal(stitched[start : start + len(rows)], rows)
+        versions = {v for v, _, _ in generation.version_spans}
+        assert versions == {old_version if index == 0 else new_version}
+        row_version[start : start + len(rows)] = versions.pop()
+        start += len(rows)
+    assert start == len(tokens) - 1
+    # The prefix cache is keyed by version: turn 2 re-prefilled all of turn 1 under the new
+    # version (a hit would attend to the old version's KV); turn 3 reused turn 2's blocks.
+    assert calls[1][1].num_cached_tokens == 0 and calls[2][1].num_cached_tokens >= 32
+
+    # Behaviour logprob and replayed route of every trained token from the same version:
+    # target q is trained on input row q - 1.
+    spans = [(s.version, s.start, s.end) for s in segment.version_spans]
+    first = segment.num_prompt_tokens
+    for version, span_start, span_end in spans:
+        for q in range(first + span_start, first + span_end):
+            assert row_version[q - 1] == version, (q, version)
+
+    # Turn 1's rows are the old version's routing of turn 1's tokens, not the new
+    # version's re-prefill of them (what keeping the last call's table replayed).
+    turn_1 = len(calls[0][0]) + len(calls[0][1].token_ids) - 1
+    ran = tokens[:turn_1]
+    old_state = perturbed_state(tiny_model, seed=old_version, scale=0.5)
+    kept_old = _agreement(load_hf(tiny_model, old_state), ran, stitched[:turn_1])
+    kept_new = _agreement(load_hf(tiny_model, new_state), ran, stitched[:turn_1])
+    print(f"turn-1 rows agree with v{old_version}: {kept_old:.3f}, v{new_version}: {kept_new:.3f}")
+    assert kept_old >= 0.97 and kept_new < kept_old - 0.1
+    # The newer version's routing of the same positions, read from its cache blocks.
+    again = generate(replica.target, tokens, 1, seed=0)
+    assert again[-1].num_cached_tokens >= 32
+    reprefill = unpack_routing(again[-1].routed_experts)
+    cached = again[-1].num_cached_tokens
+    assert (reprefill[:turn_1] != stitched[:turn_1]).any(axis=(1, 2)).mean() > 0.1
+    # Past turn 1, the rows kept with the cache blocks are the ones the calls returned.
+    agree = (reprefill[turn_1:cached] == stitched[turn_1:cached]).all(axis=(1, 2)).mean()
+    assert agree >= 0.97
+
+    # The trainer replays that table for the segment's inputs.
+    parsed = parse_segment(segment, Architecture.from_model_dir(tiny_model), use_replay=True)
+    assert parsed is not None and parsed.replay is not None
+    np.testing.assert_array_equal(parsed.replay.numpy(), stitched)
 
 
 def test_bad_input_leaves_the_engine_unharmed(replica: Replica) -> None:

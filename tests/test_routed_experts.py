@@ -1,9 +1,9 @@
 """The routed-experts wire format (services.routed_experts): round trip, what it refuses,
-and envs forwarding inference's bytes into the rollout record unchanged."""
+and envs stitching inference's per-call tables into the rollout record."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 import numpy as np
@@ -94,52 +94,125 @@ GENERATED = [8, 9]
 
 
 class _Inference(inference_pb2_grpc.InferenceServiceServicer):
-    """Answers every Generate with GENERATED and a fixed routed-experts message."""
+    """Answers every Generate with GENERATED and a routed-experts message: a fixed one,
+    or (``routes`` given) the rows of ``routes(prompt + generated)`` from the request's
+    ``routed_experts_from``, as a replica does."""
 
-    def __init__(self, routed: common_pb2.RoutedExperts) -> None:
+    def __init__(
+        self,
+        routed: common_pb2.RoutedExperts | None = None,
+        routes: Callable[[list[int]], np.ndarray] | None = None,
+        start_offset: int = 0,
+    ) -> None:
         self.routed = routed
+        self.routes = routes
+        self.start_offset = start_offset  # a faulty replica answers from another row
+        self.requests: list[inference_pb2.GenerateRequest] = []
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        self.requests.append(request)
         yield inference_pb2.GenerateResponse(token_ids=GENERATED[:1], logprobs=[-0.5])
+        start = max(0, request.routed_experts_from + self.start_offset)
+        routed = self.routed
+        if self.routes is not None:
+            ran = [*request.prompt_token_ids, *GENERATED][:-1]
+            routed = routed_experts.encode(self.routes(ran)[start:])
         yield inference_pb2.GenerateResponse(
             token_ids=GENERATED[1:],
             logprobs=[-0.25],
             offset=1,
             finish_reason=inference_pb2.FINISH_REASON_STOP,
-            routed_experts=self.routed,
+            routed_experts=routed,
+            routed_experts_start=start,
         )
 
 
-async def _generate(routed: common_pb2.RoutedExperts) -> SegmentBuilder:
+async def _generate_turns(
+    servicer: _Inference, turns: int = 1, tool_output: Sequence[int] = ()
+) -> SegmentBuilder:
+    """``turns`` generations into one segment, ``tool_output`` injected between them, each
+    asking for routes from where the segment's end (as the harness does)."""
     port = free_port()
     server = aio.server()
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(_Inference(routed), server)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
+    segment = SegmentBuilder(list(PROMPT), len(PROMPT))
     try:
         async with make_channel(f"127.0.0.1:{port}", token=None) as channel:
-            generation = await InferenceGenerator(channel, temperature=1.0, seed=None)(
-                PROMPT, 2, []
-            )
+            generate = InferenceGenerator(channel, temperature=1.0, seed=None)
+            for turn in range(turns):
+                if turn:
+                    segment.add_injected(list(tool_output))
+                segment.add_generated(await generate(segment.token_ids, 2, [], segment.num_routed))
     finally:
         await server.stop(0)
-    segment = SegmentBuilder(list(PROMPT), len(PROMPT))
-    segment.add_generated(generation)
     return segment
 
 
-async def test_envs_forwards_inferences_bytes_into_the_segment_unchanged() -> None:
-    # Odd values in a wide dtype: a decode-and-re-encode would narrow them to uint8.
+async def _generate(routed: common_pb2.RoutedExperts) -> SegmentBuilder:
+    return await _generate_turns(_Inference(routed))
+
+
+async def test_envs_keeps_inferences_routes_for_one_call() -> None:
     rows = len(PROMPT) + len(GENERATED) - 1
     table = np.arange(rows * 2 * 2, dtype="<i4").reshape(rows, 2, 2)
     sent = common_pb2.RoutedExperts(
         data=table.tobytes(), shape=[rows, 2, 2], dtype=common_pb2.INDEX_DTYPE_INT32
     )
     segment = (await _generate(sent)).to_proto()
-    assert segment.routed_experts == sent
+    decoded = routed_experts.decode(segment.routed_experts, len(segment.token_ids))
+    assert decoded is not None
+    np.testing.assert_array_equal(decoded, table)
     assert list(segment.token_ids) == PROMPT + GENERATED
+
+
+def _routes_of_call(call: int) -> Callable[[list[int]], np.ndarray]:
+    """A replica whose every call routes every position differently (as after an update)."""
+
+    def routes(ran: list[int]) -> np.ndarray:
+        positions = np.arange(len(ran))[:, None, None]
+        return np.broadcast_to(1000 * call + positions, (len(ran), 2, 2)).copy()
+
+    return routes
+
+
+async def test_envs_stitches_each_calls_new_rows_and_keeps_the_earlier_ones() -> None:
+    """Three turns with tool output between them: each call asks for the rows from the end
+    of what the segment holds, and the record keeps every position's first row -- the
+    earlier turns' rows are not replaced by a later call's re-prefill."""
+    calls = iter(range(1, 10))
+    routes = _routes_of_call(0)
+
+    def per_call(ran: list[int]) -> np.ndarray:
+        nonlocal routes
+        routes = _routes_of_call(next(calls))
+        return routes(ran)
+
+    servicer = _Inference(routes=per_call)
+    tool_output = [30, 31, 32]
+    segment = await _generate_turns(servicer, turns=3, tool_output=tool_output)
+    record = segment.to_proto()
+    tokens = list(record.token_ids)
+    assert tokens == PROMPT + GENERATED + tool_output + GENERATED + tool_output + GENERATED
+    assert [r.routed_experts_from for r in servicer.requests] == [0, 4, 9]
+    table = routed_experts.decode(record.routed_experts, len(tokens))
+    assert table is not None and table.shape == (len(tokens) - 1, 2, 2)
+    # Rows 0-3 from call 1, 4-8 from call 2 (turn 1's last token, the tool output and
+    # the prompt's end), 9-13 from call 3: each row its first computation's.
+    call_of_row = table[:, 0, 0] // 1000
+    assert call_of_row.tolist() == [1] * 4 + [2] * 5 + [3] * 5
+    assert (table[:, 0, 0] % 1000).tolist() == list(range(len(tokens) - 1))
+    # Bytes linear in the tokens: every row went over the wire once.
+    assert segment.routing_bytes == (len(tokens) - 1) * 2 * 2 * np.dtype("<i2").itemsize
+
+
+async def test_envs_refuses_routes_that_start_elsewhere_than_asked() -> None:
+    servicer = _Inference(routes=_routes_of_call(1), start_offset=-1)
+    with pytest.raises(RoutedExpertsError, match="routed_experts_start: 3, asked for rows from 4"):
+        await _generate_turns(servicer, turns=2)
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,21 @@ conversation's structure. A context (segment) is laid out as
 When a context nears its limit the model is asked to summarize (``<|summarize|>``); the
 next context starts from the task and that summary (the summary's own token ids).
 Every segment keeps its token ids, behaviour logprobs, a mask of generated tokens, the
-routed experts of its last generation call (forwarded as inference encoded them, see
-``services.routed_experts``), and the weight-version spans.
+weight-version spans and the routed experts, stitched from its generation calls.
+
+Routes are those of sampling time. Each call asks inference only for the rows the
+segment does not hold yet (``routes_from``): a position's row is the routing of the
+forward that first computed it -- for a generated token, the decode step that fed it
+back; for a prompt or tool-output token, the prefill that first ran it (or, on a prefix
+cache hit, the prefill that filled that cache block). A later call's re-prefill of an
+earlier turn (after a cache eviction, or after a weight update, since the prefix cache
+is keyed by version) is never kept. So the trainer replays, for every generated token,
+the routes of the very forward that sampled it, under the version whose logprob it
+recorded: the row of a trained token's input position comes from the step that produced
+the token's behaviour logprob. Tool-output tokens are never trained on, but later tokens
+attend to them: their rows are the next call's prefill's, under the version serving that
+call. Across a weight update, the rows before it keep the older version and the rows
+after it carry the newer one, as the version spans of the tokens they sampled do.
 """
 
 from __future__ import annotations
@@ -23,6 +36,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from services import routed_experts
 from services.api.v1 import common_pb2
@@ -46,12 +61,16 @@ class Generation:
     logprobs: list[float]
     version_spans: list[tuple[int, int, int]]
     # As inference packed it, checked to hold a row for every token but the last (of
-    # prompt + generated); None when inference returned none.
+    # prompt + generated) from prompt position ``routing_start``; None when inference
+    # returned none.
     routing: common_pb2.RoutedExperts | None
     finish_reason: str
+    routing_start: int = 0
+    num_cached_tokens: int = 0  # prompt tokens inference served from its prefix cache
 
 
-GenerateFn = Callable[[list[int], int, list[int]], Awaitable[Generation]]
+# (prompt token ids, max tokens, stop token ids, routes_from) -> Generation
+GenerateFn = Callable[[list[int], int, list[int], int], Awaitable[Generation]]
 
 
 @dataclass
@@ -64,17 +83,41 @@ class SegmentBuilder:
     logprobs: list[float] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     spans: list[tuple[int, int, int]] = field(default_factory=list)
-    routing: common_pb2.RoutedExperts | None = None
+    # Routed experts of positions 0.. num_routed - 1, one table per call, in order.
+    route_tables: list[np.ndarray] = field(default_factory=list)
+    num_routed: int = 0
+    routing_lost: bool = False  # a call came back without routing: the segment has none
+    routing_bytes: int = 0  # routed-expert bytes received from inference
 
     def add_generated(self, generation: Generation) -> None:
-        offset = len(self.token_ids) - self.num_prompt_tokens
+        num_before = len(self.token_ids)
+        offset = num_before - self.num_prompt_tokens
         self.spans += [(v, offset + s, offset + e) for v, s, e in generation.version_spans]
         self.token_ids += generation.token_ids
         self.logprobs += generation.logprobs
         self.generated += [1] * len(generation.token_ids)
-        # The last call saw every earlier token of this context, so its routing covers
-        # them all; an older call's would leave the newer tokens out.
-        self.routing = generation.routing
+        if generation.routing is None:
+            self.routing_lost = True
+            return
+        # The call's rows start where this segment's end (it was asked for them from
+        # num_routed): rows already held -- sampling time's -- are never replaced.
+        assert generation.routing_start == self.num_routed, (
+            generation.routing_start,
+            self.num_routed,
+        )
+        self.routing_bytes += len(generation.routing.data)
+        table = routed_experts.decode(
+            generation.routing, len(self.token_ids) - self.num_routed, "generation.routing"
+        )
+        assert table is not None
+        self.route_tables.append(table)
+        self.num_routed += len(table)
+
+    def routed_experts(self) -> common_pb2.RoutedExperts | None:
+        """The stitched table (a row for every token but the last); None without routing."""
+        if self.routing_lost or not self.route_tables:
+            return None
+        return routed_experts.encode(np.concatenate(self.route_tables))
 
     def add_injected(self, token_ids: list[int]) -> None:
         self.token_ids += token_ids
@@ -100,11 +143,12 @@ class SegmentBuilder:
                 common_pb2.VersionSpan(version=v, start=s, end=e) for v, s, e in _merge(self.spans)
             ],
         )
-        if self.routing is not None:
-            # The last call ran every token but its own final one, so the table has a row
-            # for each token but the last: forwarded as is (routed_experts.check).
-            routed_experts.check(self.routing, len(self.token_ids), "segment.routed_experts")
-            segment.routed_experts.CopyFrom(self.routing)
+        routing = self.routed_experts()
+        if routing is not None:
+            # The last call ran every token but its own final one, so the stitched table
+            # has a row for each token but the last (routed_experts.check).
+            routed_experts.check(routing, len(self.token_ids), "segment.routed_experts")
+            segment.routed_experts.CopyFrom(routing)
         return segment
 
 
@@ -192,7 +236,7 @@ class Harness:
             budget = min(
                 config.max_tokens_per_turn, config.max_total_tokens - generated_total, room
             )
-            generation = await self.generate(segment.token_ids, budget, stop)
+            generation = await self.generate(segment.token_ids, budget, stop, segment.num_routed)
             segment.add_generated(generation)
             generated_total += len(generation.token_ids)
             stats.num_turns += 1
@@ -258,7 +302,10 @@ class Harness:
             request = self._ids("<|end_of_turn|>") + request
         segment.add_injected(request)
         generation = await self.generate(
-            segment.token_ids, self.config.summary_tokens, [*stop, self.special["<|/summary|>"]]
+            segment.token_ids,
+            self.config.summary_tokens,
+            [*stop, self.special["<|/summary|>"]],
+            segment.num_routed,
         )
         segment.add_generated(generation)
         segment.kind = common_pb2.SEGMENT_KIND_SUMMARY

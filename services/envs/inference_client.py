@@ -40,7 +40,11 @@ class InferenceGenerator:
         )
         self.calls = 0
 
-    async def __call__(self, prompt: list[int], max_tokens: int, stop: list[int]) -> Generation:
+    async def __call__(
+        self, prompt: list[int], max_tokens: int, stop: list[int], routes_from: int = 0
+    ) -> Generation:
+        """One generation; its routing starts at prompt position ``routes_from`` (the
+        caller holds the rows before it)."""
         self.calls += 1
         sampling = inference_pb2.SamplingParams(
             temperature=self.temperature, max_tokens=max_tokens, stop_token_ids=stop
@@ -48,7 +52,10 @@ class InferenceGenerator:
         if self.seed is not None:  # reproducible per rollout and call, different across both
             sampling.seed = zlib.crc32(f"{self.seed}:{self.calls}".encode())
         request = inference_pb2.GenerateRequest(
-            prompt_token_ids=prompt, sampling=sampling, return_routed_experts=True
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            return_routed_experts=True,
+            routed_experts_from=routes_from,
         )
         return await retrying(lambda: self._generate(request), self.retry, "inference Generate")
 
@@ -62,9 +69,15 @@ class InferenceGenerator:
             last = chunk
         routing = None
         if not routed_experts.is_empty(last.routed_experts):
-            # Checked here, where a bad table can be blamed on the reply; the bytes are
-            # forwarded into the rollout record as they came.
-            num_tokens = len(request.prompt_token_ids) + len(token_ids)
+            # Checked here, where a bad table can be blamed on the reply.
+            start = request.routed_experts_from
+            if last.routed_experts_start != start:
+                raise routed_experts.RoutedExpertsError(
+                    "routed_experts_shape",
+                    "GenerateResponse.routed_experts_start",
+                    f"{last.routed_experts_start}, asked for rows from {start}",
+                )
+            num_tokens = len(request.prompt_token_ids) + len(token_ids) - start
             routed_experts.check(last.routed_experts, num_tokens, "GenerateResponse.routed_experts")
             routing = last.routed_experts
         return Generation(
@@ -72,5 +85,7 @@ class InferenceGenerator:
             logprobs=logprobs,
             version_spans=[(s.version, s.start, s.end) for s in last.version_spans],
             routing=routing,
+            routing_start=request.routed_experts_from,
+            num_cached_tokens=last.num_cached_tokens,
             finish_reason=inference_pb2.FinishReason.Name(last.finish_reason),
         )

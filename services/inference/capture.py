@@ -6,11 +6,22 @@ does the same job on the V1 runner: vLLM's MoE routers accept a capture callback
 receives the exact expert ids each token was routed to (before any EPLB remapping),
 and the runner's input batch says which rows of the step belong to which request at
 which positions. Rows are scattered into a per-request table, indexed by token
-position; the frontend takes a request's table when it finishes.
+position; the frontend takes a request's table (from the position it asks for) when
+the request finishes.
+
+Routes are kept with the KV blocks. Every row is also written beside its position's KV
+slot: a copy per physical KV block (``block id -> [block_size, layers, top_k]``), filled
+in the same step that writes the block's keys and values. A request that hits the
+prefix cache starts with ``num_computed_tokens`` > 0 and its block table pointing at
+cached blocks; its table is filled from those blocks' routes, which are the routes of
+the forward that computed the KV it attends to. Prefix caching stays on (vLLM's native
+capture keeps routes per block the same way, keyed by the block's hash). A block is
+only hit when full, and a full block was written, rows and KV, by one request; blocks
+written while capture was off are forgotten when it turns on (the engine resets the
+prefix cache then).
 
 Only tokens the engine actually runs get a row: the prompt, then every generated
-token but the last (which is never fed back). Prefix caching would skip cached prompt
-tokens, so the engine runs with prefix caching off while capture is on.
+token but the last (which is never fed back).
 """
 
 from __future__ import annotations
@@ -49,7 +60,8 @@ class RoutingCapture:
     model_runner: Any
 
     def etude_capture_enable(self, enabled: bool, max_model_len: int) -> tuple[int, int]:
-        """Binds (or unbinds) the capture callbacks; returns (moe layers, top_k)."""
+        """Binds (or unbinds) the capture callbacks; returns (moe layers, top_k). Forgets
+        every table and every block's routes (the engine resets its prefix cache too)."""
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
@@ -65,6 +77,8 @@ class RoutingCapture:
         self._etude_top_k = int(runners[0].router.top_k)
         self._etude_max_len = max_model_len
         self._etude_tables: dict[str, np.ndarray] = {}
+        self._etude_lengths: dict[str, int] = {}
+        self._etude_blocks: dict[int, np.ndarray] = {}
         self._etude_step: dict[str, Any] | None = None
         for runner in runners:
             runner.router.set_capture_fn(
@@ -92,9 +106,13 @@ class RoutingCapture:
         if "layout" not in step:
             batch = self.model_runner.input_batch
             count = batch.num_reqs
+            # The step's block tables (KV cache group 0: Qwen3-MoE has full attention only).
+            blocks = batch.block_table[0]
             step["layout"] = (
                 list(batch.req_ids[:count]),
                 batch.num_computed_tokens_cpu[:count].copy(),
+                blocks.block_table.np[:count].copy(),
+                int(blocks.block_size),
             )
         step["rows"][self._etude_layer_index[layer_id]] = topk_ids.to("cpu", torch.int32)
 
@@ -102,7 +120,7 @@ class RoutingCapture:
         step, self._etude_step = self._etude_step, None
         if not getattr(self, "_etude_enabled", False) or step is None or "layout" not in step:
             return
-        req_ids, computed = step["layout"]
+        req_ids, computed, block_rows, block_size = step["layout"]
         layers = step["rows"]
         if len(layers) != len(self._etude_layer_index):
             log.warning(
@@ -112,38 +130,75 @@ class RoutingCapture:
             )
             return
         rows = torch.stack([layers[i] for i in range(len(layers))], dim=1).numpy()  # [T, L, K]
+        rows = rows.astype(np.int16)
         offset = 0
-        for req_id, start in zip(req_ids, computed, strict=True):
-            count = int(step["scheduled"].get(req_id, 0))
+        for req_id, start, blocks in zip(req_ids, computed, block_rows, strict=True):
+            start, count = int(start), int(step["scheduled"].get(req_id, 0))
             table = self._etude_tables.get(req_id)
             if table is None:
                 table = np.full(
                     (self._etude_max_len, rows.shape[1], rows.shape[2]), -1, dtype=np.int16
                 )
                 self._etude_tables[req_id] = table
-            table[int(start) : int(start) + count] = rows[offset : offset + count]
+                # Prompt positions served from the prefix cache: the routes kept with
+                # their blocks, from the forward that computed them.
+                self._etude_read_blocks(table, blocks, block_size, start)
+            computed_rows = rows[offset : offset + count]
+            table[start : start + count] = computed_rows
+            self._etude_lengths[req_id] = max(self._etude_lengths.get(req_id, 0), start + count)
+            self._etude_write_blocks(computed_rows, blocks, block_size, start)
             offset += count
 
+    def _etude_write_blocks(
+        self, rows: np.ndarray, blocks: np.ndarray, block_size: int, start: int
+    ) -> None:
+        """Keeps ``rows`` (positions ``start``...) beside their KV slots."""
+        position, end = start, start + len(rows)
+        while position < end:
+            index, within = divmod(position, block_size)
+            count = min(block_size - within, end - position)
+            block = int(blocks[index])
+            kept = self._etude_blocks.get(block)
+            if kept is None:
+                kept = np.full((block_size, *rows.shape[1:]), -1, dtype=np.int16)
+                self._etude_blocks[block] = kept
+            kept[within : within + count] = rows[position - start : position - start + count]
+            position += count
+
+    def _etude_read_blocks(
+        self, table: np.ndarray, blocks: np.ndarray, block_size: int, num_cached: int
+    ) -> None:
+        """Fills ``table``'s first ``num_cached`` rows from the routes kept with the
+        request's cached blocks (rows stay -1 where none were kept)."""
+        for index in range(-(-num_cached // block_size)):
+            kept = self._etude_blocks.get(int(blocks[index]))
+            if kept is not None:
+                first = index * block_size
+                count = min(block_size, num_cached - first)
+                table[first : first + count] = kept[:count]
+
     def etude_capture_take(
-        self, request_ids: list[str], forget: list[str]
+        self, requests: dict[str, int], forget: list[str]
     ) -> dict[str, tuple[bytes, tuple[int, ...]]]:
-        """Removes and returns the tables of `request_ids`, trimmed to the rows run, as
-        (little-endian int16 bytes, shape) — plain values survive the engine's RPC
-        serialization — and drops those of `forget` (finished requests nobody asked
-        routing for). vLLM appends a suffix to request ids (``<id>-<hex>``); both match.
+        """Removes and returns the tables of ``requests`` (request id -> first position
+        wanted), from that position to the last row run, as (little-endian int16 bytes,
+        shape) -- plain values survive the engine's RPC serialization -- and drops those
+        of `forget` (finished requests nobody asked routing for). vLLM appends a suffix to
+        request ids (``<id>-<hex>``); both match.
         """
-        wanted, dropped = set(request_ids), set(forget)
+        dropped = set(forget)
         taken: dict[str, tuple[bytes, tuple[int, ...]]] = {}
         for internal in list(self._etude_tables):
             base = internal.rsplit("-", 1)[0]
-            key = internal if internal in wanted or internal in dropped else base
-            if key in wanted:
+            key = internal if internal in requests or internal in dropped else base
+            if key in requests:
                 table = self._etude_tables.pop(internal)
-                filled = np.flatnonzero(table[:, 0, 0] >= 0)
-                rows = int(filled[-1]) + 1 if filled.size else 0
-                taken[key] = (table[:rows].astype("<i2").tobytes(), table[:rows].shape)
+                length = self._etude_lengths.pop(internal, 0)
+                rows = table[min(requests[key], length) : length]
+                taken[key] = (rows.astype("<i2").tobytes(), rows.shape)
             elif key in dropped:
                 del self._etude_tables[internal]
+                self._etude_lengths.pop(internal, None)
         return taken
 
     def etude_load_weights(self, path: str) -> int:

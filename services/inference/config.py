@@ -42,9 +42,22 @@ class EngineConfig(StrictModel):
     capture_routed_experts: bool = Field(
         True,
         description=(
-            "Record the experts every token was routed to (for router replay); turns "
-            "prefix caching off, since cached prompt tokens are not run again."
+            "Record the experts every token was routed to (for router replay). Routes are "
+            "kept with the prefix cache's blocks, so caching stays on with capture."
         ),
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse the KV cache of shared prefixes (a multi-turn rollout's earlier "
+        "turns, a group's task prompt); keyed by policy version.",
+    )
+    block_size: int | None = Field(
+        None,
+        ge=16,
+        le=1024,
+        multiple_of=16,
+        description="Tokens per KV cache block, the prefix cache's unit; unset: vLLM's "
+        "default (128 on CPU, 16 on CUDA). vLLM's CPU attention needs a multiple of 32.",
     )
     start_timeout_s: float = Field(600.0, gt=0, description="Give up starting the engine after.")
 

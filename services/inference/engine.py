@@ -8,7 +8,17 @@ in-flight update sets the label to the new version number.
 
 Routed experts: on CUDA, vLLM's native capture (``enable_return_routed_experts``); on
 CPU, the worker extension in ``services.inference.capture``. Both give, at the end of
-a request, the expert ids of every token the engine ran, ``[tokens, layers, top_k]``.
+a request, the expert ids of every position the engine ran or served from its prefix
+cache, ``[tokens, layers, top_k]``, each row from the forward that computed that
+position's KV; both keep routes with the cached KV blocks, so prefix caching stays on
+with capture. A request returns the rows from ``routed_experts_from`` on: a multi-turn
+caller holds its earlier turns' rows already, so the bytes of a rollout grow with its
+tokens, not with turns x context.
+
+The prefix cache is keyed by policy version (vLLM's ``cache_salt``): a request only
+reuses KV blocks written by requests admitted under the same version, so no request
+attends to a cached prefix that an older version encoded (a request running across an
+update keeps its own KV, as vLLM's in-flight update does).
 """
 
 from __future__ import annotations
@@ -49,8 +59,11 @@ class Chunk:
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
-    # On the last chunk when asked for: [tokens run, moe layers, top_k].
+    # On the last chunk when asked for: [tokens run - routed_experts_start, layers, top_k].
     routed_experts: np.ndarray | None = None
+    routed_experts_start: int = 0
+    # Prompt tokens served from the prefix cache (known once the prompt is scheduled).
+    num_cached_tokens: int = 0
 
 
 def read_model_shape(model_dir: Path) -> tuple[int, int]:
@@ -114,8 +127,9 @@ class Engine:
             enable_expert_parallel=config.enable_expert_parallel and self.on_cuda,
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_memory_bytes=None if self.on_cuda else int(config.cpu_kv_cache_gib * GIB),
-            # Cached prompt tokens are not run again, so they would have no routing.
-            enable_prefix_caching=not capture,
+            # Both captures keep routes with the cached blocks (capture.py).
+            enable_prefix_caching=config.enable_prefix_caching,
+            block_size=config.block_size,
             worker_extension_cls=CAPTURE_EXTENSION,
             **kwargs,
         )
@@ -149,6 +163,9 @@ class Engine:
         """Turns the CPU worker capture on or off (the benchmark measures both)."""
         if self.on_cuda:
             raise RuntimeError("on CUDA, capture is vLLM's native option, fixed at start-up")
+        # Blocks cached while capture was off have no routes kept: forget them all.
+        if self.config.enable_prefix_caching and not await self._llm.reset_prefix_cache():
+            raise RuntimeError("could not reset the prefix cache (requests are running)")
         shapes = await self._llm.collective_rpc(
             "etude_capture_enable", args=(enabled, self.max_model_len)
         )
@@ -171,22 +188,33 @@ class Engine:
         request_id: str | None = None,
         *,
         return_routed_experts: bool = False,
+        routed_experts_from: int = 0,
     ) -> AsyncIterator[Chunk]:
-        """Streams the output of one request; aborts it in the engine if the caller goes away."""
+        """Streams the output of one request; aborts it in the engine if the caller goes away.
+
+        With ``return_routed_experts`` the last chunk carries the routes of positions
+        ``routed_experts_from`` (at most the prompt's length) and on.
+        """
         from vllm.inputs import TokensPrompt
 
         if self._llm is None:
             raise RuntimeError("the engine is not started")
         if return_routed_experts and self.capture_mode == "off":
             raise RuntimeError("routed-expert capture is off on this replica")
+        if not 0 <= routed_experts_from <= len(prompt_token_ids):
+            raise ValueError(
+                f"routed_experts_from {routed_experts_from} is outside the prompt "
+                f"(0..{len(prompt_token_ids)})"
+            )
         request_id = request_id or uuid.uuid4().hex
         offset = 0
         finished = False
         self.num_in_flight += 1
         try:
-            stream = self._llm.generate(
-                TokensPrompt(prompt_token_ids=prompt_token_ids), sampling, request_id
+            prompt = TokensPrompt(
+                prompt_token_ids=prompt_token_ids, cache_salt=f"v{self.serving_version}"
             )
+            stream = self._llm.generate(prompt, sampling, request_id)
             async for output in stream:
                 completion = output.outputs[0]
                 token_ids = list(completion.token_ids)
@@ -206,9 +234,13 @@ class Engine:
                     version_spans=spans,
                     finish_reason=completion.finish_reason if finished else None,
                     num_prompt_tokens=len(prompt_token_ids),
+                    num_cached_tokens=output.num_cached_tokens or 0,
                 )
                 if finished and return_routed_experts:
-                    chunk.routed_experts = await self._routing(request_id, completion)
+                    chunk.routed_experts = await self._routing(
+                        request_id, completion, routed_experts_from
+                    )
+                    chunk.routed_experts_start = routed_experts_from
                 yield chunk
                 offset += len(token_ids)
         finally:
@@ -218,12 +250,17 @@ class Engine:
             if self.capture_mode == "worker" and not (finished and return_routed_experts):
                 self._forget.append(request_id)
 
-    async def _routing(self, request_id: str, completion: Any) -> np.ndarray:
+    async def _routing(self, request_id: str, completion: Any, start: int) -> np.ndarray:
+        """The request's routes from position ``start`` on."""
         if self.capture_mode == "native":
-            routed: np.ndarray = np.asarray(completion.routed_experts)
+            # vLLM's table covers the whole sequence, cached prefix blocks included (it
+            # keeps routes per block hash); only the rows the caller lacks go out.
+            routed: np.ndarray = np.asarray(completion.routed_experts)[start:]
             return routed
         forget, self._forget = self._forget, []
-        taken = await self._llm.collective_rpc("etude_capture_take", args=([request_id], forget))
+        taken = await self._llm.collective_rpc(
+            "etude_capture_take", args=({request_id: start}, forget)
+        )
         if request_id not in taken[0]:
             raise RuntimeError(f"no routed experts were captured for request {request_id}")
         data, shape = taken[0][request_id]

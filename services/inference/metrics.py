@@ -25,3 +25,9 @@ for _reason in ("WeightsError", "CodecError", "ObjectStoreError"):
 GENERATED_TOKENS = Counter("etude_inference_generated_tokens", "Tokens generated.")
 REQUESTS_RUNNING = Gauge("etude_inference_requests_in_flight", "Generate calls in progress.")
 CAPTURE_ON = Gauge("etude_inference_routed_experts_capture", "1 when routed-expert capture is on.")
+ROUTED_EXPERTS_BYTES = Counter(
+    "etude_inference_routed_experts_bytes", "Routed-expert bytes sent in Generate answers."
+)
+PROMPT_TOKENS_CACHED = Counter(
+    "etude_inference_prompt_tokens_cached", "Prompt tokens served from the prefix cache."
+)

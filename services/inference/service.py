@@ -1,7 +1,8 @@
 """The inference process: a vLLM engine behind the InferenceService contract.
 
 Generate streams token ids, per-token logprobs and weight-version spans, and on the
-last chunk the routed experts when asked. With ``follow_weights`` the replica loads
+last chunk the routed experts when asked: from ``routed_experts_from`` on, the rows the
+caller does not hold yet. With ``follow_weights`` the replica loads
 every published version in flight (``services.inference.updates``) and turns ready
 only once it serves the newest complete version.
 """
@@ -84,6 +85,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             to_vllm_sampling(request.sampling),
             request.request_id or None,
             return_routed_experts=request.return_routed_experts,
+            routed_experts_from=request.routed_experts_from,
         )
         async for chunk in chunks:
             metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))
@@ -100,8 +102,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 num_prompt_tokens=chunk.num_prompt_tokens,
                 offset=chunk.offset,
             )
+            if chunk.finish_reason is not None:
+                response.num_cached_tokens = chunk.num_cached_tokens
+                metrics.PROMPT_TOKENS_CACHED.inc(chunk.num_cached_tokens)
             if chunk.routed_experts is not None:
                 response.routed_experts.CopyFrom(routed_experts.encode(chunk.routed_experts))
+                response.routed_experts_start = chunk.routed_experts_start
+                metrics.ROUTED_EXPERTS_BYTES.inc(len(response.routed_experts.data))
             yield response
 
     async def NotifyVersion(

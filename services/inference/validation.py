@@ -23,6 +23,11 @@ def validate_generate(
         f"token id {prompt[bad] if bad is not None else 0} at position {bad} is outside "
         f"the vocabulary (size {vocab_size})",
     )
+    require(
+        request.routed_experts_from <= len(prompt),
+        "routed_experts_from",
+        f"{request.routed_experts_from} is beyond the prompt ({len(prompt)} tokens)",
+    )
     require(request.HasField("sampling"), "sampling", "must be set")
     sampling = request.sampling
     require(sampling.max_tokens >= 1, "sampling.max_tokens", "must be >= 1")

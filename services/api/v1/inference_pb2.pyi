@@ -99,10 +99,15 @@ class GenerateRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_FROM_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id, used for logs, tracing and aborts; generated when empty."""
     return_routed_experts: _builtins.bool
     """Return the routed experts on the last chunk (needs capture on the replica)."""
+    routed_experts_from: _builtins.int
+    """The caller already holds the routed experts of prompt positions before this one
+    (from its earlier turns): the answer's table starts here. At most the prompt's length.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The harness never retokenizes: prompts are token ids."""
@@ -116,10 +121,11 @@ class GenerateRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: Global___SamplingParams | None = ...,
         return_routed_experts: _builtins.bool = ...,
+        routed_experts_from: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "return_routed_experts", b"return_routed_experts", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "return_routed_experts", b"return_routed_experts", "routed_experts_from", b"routed_experts_from", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -136,11 +142,19 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
+    ROUTED_EXPERTS_START_FIELD_NUMBER: _builtins.int
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     """Set on the last chunk only."""
     num_prompt_tokens: _builtins.int
     offset: _builtins.int
     """Index of token_ids[0] among the request's generated tokens."""
+    routed_experts_start: _builtins.int
+    """On the last chunk: the prompt position of routed_experts' first row (the request's
+    routed_experts_from).
+    """
+    num_cached_tokens: _builtins.int
+    """On the last chunk: prompt tokens served from the prefix cache (not computed again)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """New tokens of this chunk."""
@@ -151,9 +165,12 @@ class GenerateResponse(_message.Message):
 
     @_builtins.property
     def routed_experts(self) -> _common_pb2.RoutedExperts:
-        """On the last chunk, when the request asked for it: the experts every MoE layer
-        routed each token the engine ran to — the prompt, then every generated token but
-        the last (it is never fed back) — [num_prompt_tokens + generated - 1, layers, top_k].
+        """On the last chunk, when the request asked for it: the experts every MoE layer routed
+        each position to, from routed_experts_start on — the prompt, then every generated
+        token but the last (it is never fed back) —
+        [num_prompt_tokens + generated - 1 - routed_experts_start, layers, top_k]. A row is
+        the routing of the forward that first computed its position: a prompt token served
+        from the prefix cache carries the routes of the prefill that filled that cache block.
         """
 
     @_builtins.property
@@ -170,10 +187,12 @@ class GenerateResponse(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         num_prompt_tokens: _builtins.int = ...,
         offset: _builtins.int = ...,
+        routed_experts_start: _builtins.int = ...,
+        num_cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["routed_experts", b"routed_experts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_prompt_tokens", b"num_prompt_tokens", "offset", b"offset", "routed_experts", b"routed_experts", "token_ids", b"token_ids", "version_spans", b"version_spans"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "offset", b"offset", "routed_experts", b"routed_experts", "routed_experts_start", b"routed_experts_start", "token_ids", b"token_ids", "version_spans", b"version_spans"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
