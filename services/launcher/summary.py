@@ -16,11 +16,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from rich.console import Console
 from rich.table import Table
 
+from services.api.v1 import common_pb2
 from services.evals.record import EvalRecord
 from services.evals.report import render
 from services.launcher.observe import Snapshot
@@ -71,6 +73,10 @@ class RunSummary:
     # how many of them the trainer left out of the gradient (rl.skip_uniform_task_groups).
     groups_uniform_task_reward: int = 0
     groups_skipped_uniform: int = 0
+    # Routed-expert bytes the stored rollouts carry: mean per rollout and per token (each
+    # row once, so linear in a rollout's tokens; None without records or routing).
+    routing_bytes_per_rollout: float | None = None
+    routing_bytes_per_token: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -114,6 +120,22 @@ def suite_scores(evals: Mapping[str, Mapping[int, EvalRecord]]) -> list[SuiteSco
     return scores
 
 
+def routing_bytes(store: ObjectStore, run: str) -> tuple[float | None, float | None]:
+    """Mean routed-expert bytes per stored rollout record of ``run``, and per token."""
+    num_records = num_bytes = num_tokens = 0
+    for key in store.list(f"rollouts/{run}/"):
+        try:
+            record = common_pb2.RolloutRecord.FromString(store.get(key))
+        except DecodeError:  # a damaged record is the trainer's to report, not the summary's
+            continue
+        num_records += 1
+        num_bytes += sum(len(s.routed_experts.data) for s in record.segments)
+        num_tokens += sum(len(s.token_ids) for s in record.segments)
+    if not num_records or not num_bytes:
+        return None, None
+    return num_bytes / num_records, num_bytes / max(num_tokens, 1)
+
+
 def summarize(run: str, shot: Snapshot, store: ObjectStore) -> RunSummary:
     """The run's figures from one final snapshot and the store."""
     steps = shot.steps
@@ -127,6 +149,7 @@ def summarize(run: str, shot: Snapshot, store: ObjectStore) -> RunSummary:
     waits = sum(float(r.get("time_wait_s", 0.0)) for r in steps)
     computes = sum(float(r.get("time_compute_s", 0.0)) for r in steps)
     wall = [float(r["time"]) for r in steps if "time" in r]
+    per_rollout, per_token = routing_bytes(store, run)
     return RunSummary(
         run=run,
         steps=len(steps),
@@ -161,6 +184,8 @@ def summarize(run: str, shot: Snapshot, store: ObjectStore) -> RunSummary:
         groups_skipped_uniform=int(
             sum(float(r.get("skipped_group_uniform_task_reward", 0.0)) for r in steps)
         ),
+        routing_bytes_per_rollout=per_rollout,
+        routing_bytes_per_token=per_token,
     )
 
 
@@ -270,6 +295,12 @@ def print_summary(console: Console, summary: RunSummary, report: Path | None) ->
         table.add_row(
             "inference update pauses",
             f"{summary.update_pauses}, mean {summary.mean_update_pause_s:.3f} s",
+        )
+    if summary.routing_bytes_per_rollout is not None:
+        table.add_row(
+            "routed-expert bytes per rollout",
+            f"{summary.routing_bytes_per_rollout:,.0f} (mean; "
+            f"{summary.routing_bytes_per_token or 0:.1f} per token)",
         )
     if summary.trainer_wait_fraction is not None:
         table.add_row("trainer waiting for data", f"{100 * summary.trainer_wait_fraction:.0f}%")
