@@ -289,3 +289,43 @@ def test_bad_bodies_are_logged_at_most_a_few_times_a_minute(
         for index in range(50):
             limited.warning("bad body %d", index)
     assert [r.getMessage() for r in caplog.records] == [f"bad body {i}" for i in range(3)]
+
+
+async def test_supervised_loops_are_restarted_and_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A loop that crashes is logged with its traceback, reported as the fault, restarted
+    with backoff, and the fault clears once a restart runs for healthy_after_s."""
+    import itertools
+
+    from services.wire.supervise import Supervisor
+
+    runs: list[float] = []
+    broken = asyncio.Event()
+    broken.set()
+
+    async def loop() -> None:
+        runs.append(asyncio.get_running_loop().time())
+        if broken.is_set():
+            raise RuntimeError("key corrupted")
+        await asyncio.sleep(3600)
+
+    supervisor = Supervisor("test")
+    supervisor.start("reaper", loop, initial_backoff_s=0.05, max_backoff_s=0.2, healthy_after_s=0.1)
+    for _ in range(100):
+        if len(runs) >= 3:
+            break
+        await asyncio.sleep(0.02)
+    fault = supervisor.fault()
+    assert fault is not None and "reaper crashed: RuntimeError: key corrupted" in fault
+    gaps = [later - earlier for earlier, later in itertools.pairwise(runs)]
+    assert gaps[0] >= 0.045 and gaps[1] >= 0.095  # the backoff doubles
+    assert any(r.exc_info for r in caplog.records if "crashed" in r.getMessage())
+    broken.clear()
+    for _ in range(100):
+        if supervisor.fault() is None:
+            break
+        await asyncio.sleep(0.02)
+    assert supervisor.fault() is None
+    await supervisor.stop()
+    assert supervisor.names == []
