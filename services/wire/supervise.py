@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -70,13 +69,13 @@ class Supervisor:
     ) -> None:
         backoff = initial_s
         while True:
-            started = time.monotonic()
             run: asyncio.Task[None] = asyncio.ensure_future(loop())
             try:
                 done, _ = await asyncio.wait({run}, timeout=healthy_after_s)
-                if not done and self._faults.pop(name, None) is not None:
-                    log.info("background task %s recovered", name)
+                if not done:  # it runs: a later crash is a new fault, backoff from the start
                     backoff = initial_s
+                    if self._faults.pop(name, None) is not None:
+                        log.info("background task %s recovered", name)
                 await run
                 reason = "ended on its own"
                 log.error("background task %s %s; restarting in %.1f s", name, reason, backoff)
@@ -97,8 +96,6 @@ class Supervisor:
                         await run
             self._faults[name] = f"background task {name} {reason}"
             RESTARTS.labels(self._service, name).inc()
-            if time.monotonic() - started > healthy_after_s + max_s:
-                backoff = initial_s  # a long healthy run: this is a new fault
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, max_s)
 
