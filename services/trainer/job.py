@@ -29,11 +29,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import grpc
 import torch
-from grpc import aio
 
 from services.api.v1 import reconciler_pb2
 from services.objectstore.base import ObjectStore
@@ -55,7 +53,6 @@ from services.trainer.sft import ExampleStream, example_items, open_source
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 Plan = Callable[[float], Awaitable["list[StepMessage] | None"]]
 """Rank 0's plan of the next step, a message per rank (None on the other ranks); its
 argument is when the step began to wait for work."""
@@ -249,9 +246,8 @@ class TrainingJob:
         """Rank 0: this step's groups (retried while the reconciler is unreachable), their
         records fetched and checked, the sequences cut into every rank's part."""
         rl, base = self.job.rl, StepMessage(checkpoint_tags=self.requests.take())
-        pull = functools.partial(reconciler.pull_batch, rl.consumer_id, self.step)
-        answer = await self._retrying(
-            "PullBatch", lambda: pull(rl.groups_per_step, self.policy_version, rl.pull_wait_s)
+        answer = await reconciler.pull_batch(
+            rl.consumer_id, self.step, rl.groups_per_step, self.policy_version, rl.pull_wait_s
         )
         base.waited_s = time.perf_counter() - waiting_since
         if not answer.groups:
@@ -340,27 +336,8 @@ class TrainingJob:
         checkpoint metadata lists the groups)."""
         reconciler, groups, step = self.reconciler, list(self.uncommitted), self.step - 1
         if reconciler is not None and groups and self.step:
-            await self._retrying(
-                "CommitBatch", lambda: reconciler.commit(self.job.rl.consumer_id, step, groups)
-            )
+            await reconciler.commit(self.job.rl.consumer_id, step, groups)
         self.uncommitted = []
-
-    async def _retrying(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
-        """``call()``, retried while the reconciler is unreachable: an outage pauses training
-        (the client already retried with backoff); any other error is raised."""
-        delay = 0.5
-        while True:
-            try:
-                return await call()
-            except aio.AioRpcError as error:
-                if error.code() not in (
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                ):
-                    raise
-                log.warning("%s: reconciler %s; retrying in %.1f s", what, error.code().name, delay)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 10.0)
 
     async def request_checkpoint(self, tag: str) -> CheckpointInfo:
         """Saves a tagged checkpoint at the next step boundary (at once when the job is
