@@ -14,6 +14,14 @@ verl 2.35-2.67x at cluster scale), and each mode's ``trainer_idle_fraction`` (ti
 trainer spent waiting for data / its wait + compute). Evals are switched off: they would
 compete for the same two cores in both modes.
 
+``async_efficiency`` says how much of what overlap can buy the async run got:
+``async_speedup`` / the ideal speedup, where the ideal is the sync run's seconds per step
+over the larger of its generation time (the trainer's wait for its batch) and its training
+time (the rest of the step: compute, publish, checkpoint, commit), both per step from the
+sync run's own records (``ideal_speedup``). Perfect overlap would make a step as long as
+the longer of the two, so 1.0 is the most the overlap can give on this machine (the two
+sides share its cores, so it is not reached).
+
 ``--quick`` runs 4 steps on the tiny model (a smoke run); the full benchmark runs 12 on
 the config's model (built first if missing, as ``etude run`` does).
 """
@@ -95,11 +103,40 @@ def _run_mode(config: Path, sync: bool) -> dict[str, Any]:
     return summary
 
 
+def ideal_speedup(records: list[dict[str, Any]]) -> tuple[float, float, float]:
+    """(generation, training, ideal speedup) per step of a sync run's trainer records.
+
+    The steps after the first, as ``seconds_per_step`` counts them (wall clock from the
+    first record to the last): generation is the mean wait for a batch, training the rest
+    of the step; the ideal is the step's seconds over the larger of the two.
+    """
+    steps = sorted(records, key=lambda record: int(record["step"]))
+    if len(steps) < 2:
+        raise ValueError(f"an ideal speedup needs at least 2 step records, got {len(steps)}")
+    seconds_per_step = (float(steps[-1]["time"]) - float(steps[0]["time"])) / (len(steps) - 1)
+    later = steps[1:]
+    generation = sum(float(record["time_wait_s"]) for record in later) / len(later)
+    training = max(seconds_per_step - generation, 0.0)
+    longer = max(generation, training)
+    return generation, training, seconds_per_step / longer if longer > 0 else 0.0
+
+
+def async_efficiency(async_speedup: float, ideal: float) -> float:
+    """The share of the ideal speedup the async run got (0 when there is no ideal)."""
+    return async_speedup / ideal if ideal > 0 else 0.0
+
+
+def _records(metrics_file: Path) -> list[dict[str, Any]]:
+    lines = metrics_file.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
 def run(quick: bool) -> BenchResult:
     """Runs the main job async and sync on the same work; compares seconds per step."""
     base = tomllib.loads(CONFIG.read_text())
     steps = 4 if quick else 12
     summaries: dict[str, dict[str, Any]] = {}
+    generation_s = training_s = ideal = 0.0
     with tempfile.TemporaryDirectory(prefix="etude-bench-e2e-") as tmp:
         root = Path(tmp)
         model_dir = (
@@ -117,18 +154,26 @@ def run(quick: bool) -> BenchResult:
             config = root / f"{mode}.toml"
             config.write_text(dumps_toml(data))
             summaries[mode] = _run_mode(config, sync=mode == "sync")
+            if mode == "sync":
+                generation_s, training_s, ideal = ideal_speedup(
+                    _records(Path(data["trainer"]["job"]["metrics_file"]))
+                )
     async_s = summaries["async"]["seconds_per_step"]
     sync_s = summaries["sync"]["seconds_per_step"]
     speedup = sync_s / async_s if async_s else 0.0
     return BenchResult(
         figures={
             "async_speedup": speedup,
+            "async_efficiency": async_efficiency(speedup, ideal),
+            "ideal_speedup": ideal,
             "seconds_per_step_async": async_s,
             "trainer_idle_fraction_async": summaries["async"]["trainer_wait_fraction"],
             "staleness_mean_async": _mean_staleness(summaries["async"]),
         },
         baseline={
             "seconds_per_step_sync": sync_s,
+            "generation_seconds_per_step_sync": generation_s,
+            "training_seconds_per_step_sync": training_s,
             "trainer_idle_fraction_sync": summaries["sync"]["trainer_wait_fraction"],
             "staleness_mean_sync": _mean_staleness(summaries["sync"]),
         },
