@@ -10,8 +10,9 @@ position; the frontend takes a request's table (from the position it asks for) w
 the request finishes.
 
 Routes are kept with the KV blocks. Every row is also written beside its position's KV
-slot: a copy per physical KV block (``block id -> [block_size, layers, top_k]``), filled
-in the same step that writes the block's keys and values. A request that hits the
+slot: an array shaped like the KV cache's slots (``[num_blocks * block_size, layers,
+top_k]``), written through the step's own slot mapping, in the same step that writes the
+keys and values. A request that hits the
 prefix cache starts with ``num_computed_tokens`` > 0 and its block table pointing at
 cached blocks; its table is filled from those blocks' routes, which are the routes of
 the forward that computed the KV it attends to. Prefix caching stays on (vLLM's native
@@ -78,7 +79,12 @@ class RoutingCapture:
         self._etude_max_len = max_model_len
         self._etude_tables: dict[str, np.ndarray] = {}
         self._etude_lengths: dict[str, int] = {}
-        self._etude_blocks: dict[int, np.ndarray] = {}
+        # Routes beside the KV slots: ~top_k / (2 x kv_heads x head_dim) of the KV memory.
+        kv_cache = self.model_runner.kv_cache_config
+        num_slots = kv_cache.num_blocks * max(
+            int(kv_cache.kv_cache_groups[0].kv_cache_spec.block_size), self._etude_block_size()
+        )
+        self._etude_slots = np.full((num_slots, len(layer_ids), self._etude_top_k), -1, np.int16)
         self._etude_step: dict[str, Any] | None = None
         for runner in runners:
             runner.router.set_capture_fn(
@@ -99,6 +105,13 @@ class RoutingCapture:
         self._etude_enabled = enabled
         return len(layer_ids), self._etude_top_k
 
+    def _etude_block_table(self) -> Any:
+        # KV cache group 0: Qwen3-MoE has full attention only.
+        return self.model_runner.input_batch.block_table[0]
+
+    def _etude_block_size(self) -> int:
+        return int(self._etude_block_table().block_size)
+
     def _etude_capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         step = self._etude_step
         if step is None:
@@ -106,13 +119,16 @@ class RoutingCapture:
         if "layout" not in step:
             batch = self.model_runner.input_batch
             count = batch.num_reqs
-            # The step's block tables (KV cache group 0: Qwen3-MoE has full attention only).
-            blocks = batch.block_table[0]
+            blocks = self._etude_block_table()
+            num_tokens = sum(step["scheduled"].values())
             step["layout"] = (
                 list(batch.req_ids[:count]),
                 batch.num_computed_tokens_cpu[:count].copy(),
                 blocks.block_table.np[:count].copy(),
                 int(blocks.block_size),
+                # The KV slot of every scheduled token, as the attention writes them (the
+                # CPU runner's device buffers are its host buffers).
+                blocks.slot_mapping.cpu[:num_tokens].numpy().copy(),
             )
         step["rows"][self._etude_layer_index[layer_id]] = topk_ids.to("cpu", torch.int32)
 
@@ -120,7 +136,7 @@ class RoutingCapture:
         step, self._etude_step = self._etude_step, None
         if not getattr(self, "_etude_enabled", False) or step is None or "layout" not in step:
             return
-        req_ids, computed, block_rows, block_size = step["layout"]
+        req_ids, computed, block_rows, block_size, slots = step["layout"]
         layers = step["rows"]
         if len(layers) != len(self._etude_layer_index):
             log.warning(
@@ -131,6 +147,8 @@ class RoutingCapture:
             return
         rows = torch.stack([layers[i] for i in range(len(layers))], dim=1).numpy()  # [T, L, K]
         rows = rows.astype(np.int16)
+        written = slots >= 0  # padding has no slot
+        self._etude_slots[slots[written]] = rows[: len(slots)][written]
         offset = 0
         for req_id, start, blocks in zip(req_ids, computed, block_rows, strict=True):
             start, count = int(start), int(step["scheduled"].get(req_id, 0))
@@ -146,36 +164,17 @@ class RoutingCapture:
             computed_rows = rows[offset : offset + count]
             table[start : start + count] = computed_rows
             self._etude_lengths[req_id] = max(self._etude_lengths.get(req_id, 0), start + count)
-            self._etude_write_blocks(computed_rows, blocks, block_size, start)
             offset += count
-
-    def _etude_write_blocks(
-        self, rows: np.ndarray, blocks: np.ndarray, block_size: int, start: int
-    ) -> None:
-        """Keeps ``rows`` (positions ``start``...) beside their KV slots."""
-        position, end = start, start + len(rows)
-        while position < end:
-            index, within = divmod(position, block_size)
-            count = min(block_size - within, end - position)
-            block = int(blocks[index])
-            kept = self._etude_blocks.get(block)
-            if kept is None:
-                kept = np.full((block_size, *rows.shape[1:]), -1, dtype=np.int16)
-                self._etude_blocks[block] = kept
-            kept[within : within + count] = rows[position - start : position - start + count]
-            position += count
 
     def _etude_read_blocks(
         self, table: np.ndarray, blocks: np.ndarray, block_size: int, num_cached: int
     ) -> None:
-        """Fills ``table``'s first ``num_cached`` rows from the routes kept with the
-        request's cached blocks (rows stay -1 where none were kept)."""
-        for index in range(-(-num_cached // block_size)):
-            kept = self._etude_blocks.get(int(blocks[index]))
-            if kept is not None:
-                first = index * block_size
-                count = min(block_size, num_cached - first)
-                table[first : first + count] = kept[:count]
+        """Fills ``table``'s first ``num_cached`` rows from the routes kept beside the
+        request's cached blocks' slots."""
+        if num_cached:
+            positions = np.arange(num_cached)
+            slots = blocks[positions // block_size].astype(np.int64) * block_size
+            table[:num_cached] = self._etude_slots[slots + positions % block_size]
 
     def etude_capture_take(
         self, requests: dict[str, int], forget: list[str]

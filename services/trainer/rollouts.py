@@ -7,7 +7,11 @@ from it). Each segment becomes one packed sequence: inputs ``token_ids[:-1]``, t
 ``generated_mask`` 1), never when it is prompt or injected tool output. Its behaviour
 logprob comes from ``Segment.logprobs``; its replayed routing is the routed-expert row
 of its *input* token, which is the token whose forward pass inference routed (the
-segment's last token is never an input, so its row may be absent).
+segment's last token is never an input, so its row may be absent). Envs stitches the
+rows from sampling time (``services.envs.harness``): a row is the routing of the forward
+that first computed its position, so a trained token's input row comes from the very
+step that produced its behaviour logprob, under the same policy version, even in a
+rollout that spans turns and weight updates.
 
 A record that does not fit (routed experts of the wrong shape, dtype or layer count,
 logprobs missing or not finite, masks of the wrong length, unknown token ids, too long
