@@ -7,8 +7,11 @@ little-endian in row-major order, ``dtype`` their width. A message fits a sequen
 last (that token is never fed to the model, so nothing routed it). A row of -1 means
 "no routing recorded": the trainer's own router decides for that token.
 
-Inference encodes (``encode``); envs checks what it received and forwards the same
-bytes into the rollout record (``check``); the trainer decodes (``decode``). A message
+A Generate answer's table may start past position 0 (``routed_experts_start``: the rows
+the caller already holds are not sent again); it then fits the tokens from that
+position on. Inference encodes (``encode``); envs checks each answer (``check``),
+stitches a context's answers and encodes the whole table into the rollout record; the
+trainer decodes (``decode``). A message
 that does not fit raises ``RoutedExpertsError``, an ``InvalidArgument``: a servicer
 answers it with INVALID_ARGUMENT, and its ``reason`` labels the trainer's skip metric.
 """
