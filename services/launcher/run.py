@@ -230,7 +230,7 @@ class LocalRun:
         import redis
 
         from services.reconciler.store import run_prefix
-        from services.trainer.paths import checkpoint_root
+        from services.trainer.paths import checkpoint_prefix, checkpoint_root
 
         run = self.config.run.name
         client = redis.Redis.from_url(self.config.redis.url)
@@ -245,7 +245,8 @@ class LocalRun:
         finally:
             client.close()
         shutil.rmtree(checkpoint_root(self.config), ignore_errors=True)
-        for prefix in (f"weights/{run}/", f"evals/{run}/", f"rollouts/{run}/"):
+        stored = (f"weights/{run}/", f"evals/{run}/", f"rollouts/{run}/")
+        for prefix in (*stored, f"{checkpoint_prefix(self.config)}/"):
             self.store.delete(self.store.list(prefix))
         job = self.config.trainer.job
         if job is not None and job.metrics_file is not None:
@@ -265,7 +266,13 @@ class LocalRun:
         import redis
 
         from services.reconciler.store import run_prefix
-        from services.trainer.paths import checkpoint_dirs, checkpoint_root
+        from services.trainer.paths import (
+            checkpoint_dirs,
+            checkpoint_prefix,
+            checkpoint_root,
+            checkpoints_in_store,
+            manifest_names,
+        )
 
         job = self.config.trainer.job
         if job is None or job.phase != "rl":
@@ -281,9 +288,15 @@ class LocalRun:
         root = checkpoint_root(self.config)
         if committed is None or checkpoint_dirs(root):
             return
+        where = str(root)
+        if checkpoints_in_store(self.config):
+            prefix = checkpoint_prefix(self.config)
+            if manifest_names(self.store.list(f"{prefix}/"), prefix):
+                return
+            where = f"{self.store.url}/{prefix}"
         raise RunFailed(
             f"Redis at {self.config.redis.url} holds run {run!r} trained through step "
-            f"{int(committed)}, but there is no trainer checkpoint in {root} to resume from "
+            f"{int(committed)}, but there is no trainer checkpoint in {where} to resume from "
             "(was the state directory deleted?): `etude run --fresh` starts the run over"
         )
 

@@ -15,10 +15,15 @@ metadata, renames and prunes; barriers keep the ranks in step, so every rank see
 same checkpoints afterwards. Loading is collective too (each rank reads its shards).
 The checkpoint directory must be one filesystem for all ranks (one node, or a
 ReadWriteMany volume: ``trainer.checkpoints.existingClaim``).
+
+``checkpoint.location`` chooses the backend (``open_checkpoints``): this directory, or
+the object store (``services.trainer.checkpoint_objects``: the same DCP files as
+objects, a manifest written last), which any node can resume from.
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import random
@@ -27,7 +32,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,34 +40,65 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from services.trainer.learner import Learner
-from services.trainer.paths import META_FILE, checkpoint_dirs
+from services.trainer.paths import (
+    META_FILE,
+    checkpoint_config,
+    checkpoint_dirs,
+    checkpoint_prefix,
+    checkpoint_root,
+    checkpoints_in_store,
+)
 from services.trainer.runtime import LocalRuntime, TrainerRuntime
+
+if TYPE_CHECKING:
+    from services.objectstore.base import ObjectStore
+    from services.run_config import EtudeConfig
 
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """A complete checkpoint on disk."""
+    """A complete checkpoint: on disk (``location`` its directory) or in the object store
+    (``location`` its key prefix)."""
 
     tag: str
     step: int
-    location: Path
+    location: Path | str
     created_at: float
+    name: str = ""
+    """``step-<n>`` (periodic, pruned) or ``tag-<tag>`` (kept)."""
 
 
 def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
-def _dcp(operation: Any, state: dict[str, Any], path: Path) -> None:
-    """``dcp.save`` or ``dcp.load``; in one process without the warning DCP gives for it."""
+def dcp_call(operation: Any, state: dict[str, Any], **where: Any) -> None:
+    """``dcp.save`` or ``dcp.load`` (``checkpoint_id`` or a storage reader ``where``); in
+    one process without the warning DCP gives for it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-        operation(state, checkpoint_id=path, no_dist=_no_dist())
+        operation(state, no_dist=_no_dist(), **where)
 
 
-def _state(learner: Learner) -> dict[str, Any]:
+def checkpoint_name(step: int, tag: str | None) -> str:
+    """``tag-<tag>`` for a tagged checkpoint, else ``step-<n>``."""
+    return f"tag-{tag}" if tag else f"step-{step:08d}"
+
+
+def job_meta(label: str, step: int, created_at: float, job_state: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint records besides DCP's files: the step, the job's state, Python's RNG."""
+    return {
+        "tag": label,
+        "step": step,
+        "created_at": created_at,
+        "job": job_state,
+        "python_rng": _encode_random_state(random.getstate()),
+    }
+
+
+def learner_state(learner: Learner) -> dict[str, Any]:
     """The DCP state dict of ``learner`` (templates to load into, or values to save)."""
     model_state, optimizer_state = get_state_dict(learner.model, learner.optimizers)
     state: dict[str, Any] = {
@@ -75,8 +111,52 @@ def _state(learner: Learner) -> dict[str, Any]:
     return state
 
 
-class CheckpointStore:
-    """The checkpoints of one run under ``root``, saved by every rank of ``runtime``."""
+class Checkpoints(abc.ABC):
+    """Where a run's checkpoints live; every rank of ``runtime`` saves and loads together."""
+
+    runtime: TrainerRuntime
+
+    @abc.abstractmethod
+    def save(
+        self, learner: Learner, job_state: dict[str, Any], *, step: int, tag: str | None = None
+    ) -> CheckpointInfo:
+        """Writes a checkpoint of ``learner`` after ``step`` completed steps (collective);
+        FileExistsError when ``tag`` is taken."""
+
+    @abc.abstractmethod
+    def list(self) -> list[CheckpointInfo]:
+        """Every complete checkpoint, oldest step first."""
+
+    @abc.abstractmethod
+    def load(self, info: CheckpointInfo, learner: Learner) -> dict[str, Any]:
+        """Restores ``learner`` and the RNGs from ``info`` (collective); returns the job's state."""
+
+    @abc.abstractmethod
+    def discard_partial(self) -> None:
+        """Rank 0 removes what a crashed save left half-written; the others wait."""
+
+    def latest(self) -> CheckpointInfo | None:
+        """The checkpoint with the most steps (the newest among equals)."""
+        checkpoints = self.list()
+        return checkpoints[-1] if checkpoints else None
+
+
+def open_checkpoints(
+    config: EtudeConfig, store: ObjectStore, runtime: TrainerRuntime | None = None
+) -> Checkpoints:
+    """The run's checkpoints where ``checkpoint.location`` puts them."""
+    keep_last = checkpoint_config(config).keep_last
+    if checkpoints_in_store(config):
+        from services.trainer.checkpoint_objects import ObjectStoreCheckpoints
+
+        prefix = checkpoint_prefix(config)
+        return ObjectStoreCheckpoints(store, prefix, checkpoint_root(config), keep_last, runtime)
+    return CheckpointStore(checkpoint_root(config), keep_last, runtime)
+
+
+class CheckpointStore(Checkpoints):
+    """The checkpoints of one run in the directory ``root``, saved by every rank of
+    ``runtime``."""
 
     def __init__(
         self, root: Path, keep_last: int = 3, runtime: TrainerRuntime | None = None
@@ -90,7 +170,7 @@ class CheckpointStore:
     ) -> CheckpointInfo:
         """Writes a checkpoint of ``learner`` after ``step`` completed steps (collective)."""
         runtime = self.runtime
-        name = f"tag-{tag}" if tag else f"step-{step:08d}"
+        name = checkpoint_name(step, tag)
         final = self.root / name
         # Rank 0 decides, so that no rank writes while another refused.
         if runtime.share(bool(tag) and final.exists()):
@@ -101,13 +181,13 @@ class CheckpointStore:
             if staging.exists():
                 shutil.rmtree(staging)
         runtime.barrier()
-        _dcp(dcp.save, _state(learner), staging)
+        dcp_call(dcp.save, learner_state(learner), checkpoint_id=staging)
         created_at = runtime.share(time.time())
         label = tag or name
         if runtime.is_leader:
             self._finish(staging, final, label, step, created_at, job_state, prune=not tag)
         runtime.barrier()
-        return CheckpointInfo(label, step, final, created_at)
+        return CheckpointInfo(label, step, final, created_at, name)
 
     def _finish(
         self,
@@ -121,13 +201,7 @@ class CheckpointStore:
         prune: bool,
     ) -> None:
         """Writes the metadata into ``staging`` and renames it to ``final`` (durably)."""
-        meta = {
-            "tag": label,
-            "step": step,
-            "created_at": created_at,
-            "job": job_state,
-            "python_rng": _encode_random_state(random.getstate()),
-        }
+        meta = job_meta(label, step, created_at, job_state)
         (staging / META_FILE).write_text(json.dumps(meta))
         _fsync_dir(staging)
         if final.exists():  # a periodic checkpoint of the same step, written again on resume
@@ -149,36 +223,38 @@ class CheckpointStore:
         found = []
         for path in checkpoint_dirs(self.root):
             meta = json.loads((path / META_FILE).read_text())
-            found.append(CheckpointInfo(meta["tag"], int(meta["step"]), path, meta["created_at"]))
+            step, created_at = int(meta["step"]), meta["created_at"]
+            found.append(CheckpointInfo(meta["tag"], step, path, created_at, path.name))
         return sorted(found, key=lambda info: (info.step, info.created_at))
-
-    def latest(self) -> CheckpointInfo | None:
-        """The checkpoint with the most steps (the newest among equals)."""
-        checkpoints = self.list()
-        return checkpoints[-1] if checkpoints else None
 
     def load(self, info: CheckpointInfo, learner: Learner) -> dict[str, Any]:
         """Restores ``learner`` and the RNGs from ``info``; returns the job's state."""
-        state = _state(learner)
-        _dcp(dcp.load, state, info.location)
-        set_state_dict(
-            learner.model,
-            learner.optimizers,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizers"],
-        )
-        if learner.reference is not None:
-            learner.reference.load_state_dict(state["reference"])
-        torch.set_rng_state(state["rng"]["torch"])
-        meta = json.loads((info.location / META_FILE).read_text())
-        random.setstate(_decode_random_state(meta["python_rng"]))
-        job_state: dict[str, Any] = meta["job"]
-        return job_state
+        location = Path(info.location)
+        state = learner_state(learner)
+        dcp_call(dcp.load, state, checkpoint_id=location)
+        return restore(learner, state, json.loads((location / META_FILE).read_text()))
 
     def _prune(self) -> None:
-        periodic = [c for c in self.list() if c.location.name.startswith("step-")]
+        periodic = [c for c in self.list() if c.name.startswith("step-")]
         for old in periodic[: -self.keep_last]:
             shutil.rmtree(old.location, ignore_errors=True)
+
+
+def restore(learner: Learner, state: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """Sets ``learner`` and the RNGs from a loaded DCP ``state`` and the checkpoint's
+    ``meta`` (``job_meta``); returns the job's state."""
+    set_state_dict(
+        learner.model,
+        learner.optimizers,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizers"],
+    )
+    if learner.reference is not None:
+        learner.reference.load_state_dict(state["reference"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(_decode_random_state(meta["python_rng"]))
+    job_state: dict[str, Any] = meta["job"]
+    return job_state
 
 
 def _encode_random_state(state: tuple[Any, ...]) -> list[Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig, StrictModel
 
@@ -172,7 +172,7 @@ class DataConfig(StrictModel):
 
 
 class CheckpointConfig(StrictModel):
-    """When the job writes checkpoints (torch.distributed.checkpoint)."""
+    """When and where the job writes checkpoints (torch.distributed.checkpoint)."""
 
     interval_steps: int = Field(
         1,
@@ -181,6 +181,31 @@ class CheckpointConfig(StrictModel):
         "commits pulled groups to the reconciler only after they are in a checkpoint.",
     )
     keep_last: int = Field(3, ge=1, description="Periodic checkpoints kept (tagged ones stay).")
+    location: Literal["auto", "local", "object_store"] = Field(
+        "auto",
+        description="Where checkpoints live. 'local': a directory (trainer.checkpoint_dir, or "
+        "<run.state_dir>/checkpoints/<run.name>) that every rank must share. 'object_store': "
+        "objects under <prefix>/<run.name>/ in [object_store], manifest last, restorable on "
+        "any node (the local directory only stages saves and resumes). 'auto': the object "
+        "store when object_store.url is s3://, else local.",
+    )
+    prefix: str = Field(
+        "checkpoints",
+        min_length=1,
+        description="Key prefix of checkpoints in the object store: a relative path without "
+        "'.', '..' or empty parts; a run's are under <prefix>/<run.name>/.",
+    )
+
+    @field_validator("prefix")
+    @classmethod
+    def _relative_key(cls, prefix: str) -> str:
+        parts = prefix.split("/")
+        if prefix.startswith("/") or any(part in ("", ".", "..") for part in parts):
+            raise ValueError(
+                f"checkpoint.prefix {prefix!r} must be a relative key without '.', '..' or "
+                "empty parts, e.g. 'checkpoints'"
+            )
+        return prefix
 
 
 class PackingConfig(StrictModel):

@@ -39,13 +39,12 @@ from services.reconciler.client import ReconcilerClient
 from services.run_config import EtudeConfig
 from services.trainer import metrics
 from services.trainer.batch import collect_rl_items, load_groups
-from services.trainer.checkpoint import CheckpointInfo, CheckpointStore
+from services.trainer.checkpoint import CheckpointInfo, Checkpoints, open_checkpoints
 from services.trainer.checkpoint_requests import CheckpointRequests
 from services.trainer.config import JobConfig
 from services.trainer.distributed.layout import check_job
 from services.trainer.learner import Learner
 from services.trainer.model import Architecture
-from services.trainer.paths import checkpoint_root
 from services.trainer.planning import StepMessage, StepPlanner
 from services.trainer.publishing import PolicyPublisher
 from services.trainer.runtime import TrainerRuntime
@@ -84,7 +83,7 @@ class TrainingJob:
         runtime: TrainerRuntime,
         learner: Learner,
         planner: StepPlanner,
-        checkpoints: CheckpointStore,
+        checkpoints: Checkpoints,
         publisher: PolicyPublisher,
         store: ObjectStore,
         resumed: dict[str, Any],
@@ -123,14 +122,14 @@ class TrainingJob:
         random.seed(job.seed)
         learner = Learner.load(model_dir, job, runtime)
         planner = runtime.planner(job, learner.model)
-        checkpoints = CheckpointStore(checkpoint_root(config), job.checkpoint.keep_last, runtime)
+        checkpoints = open_checkpoints(config, store, runtime)
         resumed = cls._resume(checkpoints, learner, model_dir)
         publisher = PolicyPublisher(store, config.run.name, config.weights, reconciler, runtime)
         parts = (learner, planner, checkpoints, publisher, store, resumed)
         return cls(config, job, reconciler, runtime, *parts)
 
     @staticmethod
-    def _resume(checkpoints: CheckpointStore, learner: Learner, model_dir: Path) -> dict[str, Any]:
+    def _resume(checkpoints: Checkpoints, learner: Learner, model_dir: Path) -> dict[str, Any]:
         """The newest checkpoint's job state, ``learner`` restored from it; or a fresh
         start's: step 0 at the model card's version."""
         checkpoints.discard_partial()

@@ -90,10 +90,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def ListCheckpoints(
         self, request: trainer_pb2.ListCheckpointsRequest, context: aio.ServicerContext
     ) -> trainer_pb2.ListCheckpointsResponse:
-        from services.trainer.checkpoint import CheckpointStore
-        from services.trainer.paths import checkpoint_root
+        from services.objectstore.factory import open_store
+        from services.trainer.checkpoint import open_checkpoints
 
-        infos = await asyncio.to_thread(CheckpointStore(checkpoint_root(self._service.config)).list)
+        config, job = self._service.config, self._service.job
+        checkpoints = (
+            job.checkpoints if job else open_checkpoints(config, open_store(config.object_store))
+        )
+        infos = await asyncio.to_thread(checkpoints.list)
         return trainer_pb2.ListCheckpointsResponse(
             checkpoints=[_checkpoint_message(i) for i in infos]
         )
