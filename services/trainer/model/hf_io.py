@@ -14,12 +14,15 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
 
 from services.trainer.model.architecture import Architecture
+from services.trainer.model.checkpoint_reader import CheckpointReader, Rows, checkpoint_files
 from services.trainer.model.layers import Numerics
 from services.trainer.model.mtp import MTPHead
 from services.trainer.model.transformer import Qwen3MoE
@@ -32,17 +35,9 @@ MODEL_CARD = "etude_model.json"
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a (possibly sharded) HF safetensors checkpoint."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{model_dir} holds no model.safetensors (or its index)")
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(model_dir / name))
+    for path in checkpoint_files(model_dir):
+        tensors.update(load_file(path))
     return tensors
 
 
@@ -149,31 +144,53 @@ def load_pretrained(
             numerics=numerics,
         )
     model.to_empty(device="cpu")
-    state = from_hf(read_safetensors(model_dir), arch)
     generator = torch.Generator().manual_seed(seed)
     for head in model.mtp:
         assert isinstance(head, MTPHead)
         head.reset_parameters(generator)
-    fresh = {n: t for n, t in model.state_dict().items() if n.startswith("mtp.")}
-    saved = {n: t.float() for n, t in _read_mtp(Path(model_dir)).items()}
-    # Heads present in mtp.safetensors load; the rest keep their fresh weights, and heads
-    # the file has beyond num_mtp_heads are left out.
-    state.update({name: saved.get(name, tensor) for name, tensor in fresh.items()})
-    expected = set(model.state_dict())
-    unknown, missing = sorted(set(state) - expected), sorted(expected - set(state))
+    with CheckpointReader(model_dir, arch) as reader:
+        load_weights(model, reader, _read_mtp(Path(model_dir)))
+    return model
+
+
+def load_weights(
+    model: Qwen3MoE,
+    reader: CheckpointReader,
+    saved_mtp: dict[str, torch.Tensor],
+    rows: Callable[[str], Rows | None] = lambda name: None,
+) -> None:
+    """Copies the checkpoint into ``model``'s tensors, one tensor (or the ``rows`` of it
+    that ``rows(name)`` names, for a shard) at a time, float32.
+
+    MTP heads present in ``saved_mtp`` load; the rest keep the weights they have, and heads
+    the file has beyond the model's are left out.
+    """
+    state = model.state_dict()  # tensors that share the parameters' storage
+    expected = {name for name in state if not name.startswith("mtp.")}
+    found = reader.names()
+    unknown, missing = sorted(found - expected), sorted(expected - found)
     if unknown or missing:
         raise ValueError(
-            f"checkpoint {model_dir} does not match the architecture: unknown tensors "
+            f"checkpoint {reader.model_dir} does not match the architecture: unknown tensors "
             f"{unknown[:5]}, missing tensors {missing[:5]}"
         )
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(model.state_dict()[name].shape):
+    shapes = {name: reader.shape(name) for name in expected}
+    shapes |= {name: tuple(saved_mtp[name].shape) for name in state if name in saved_mtp}
+    for name, shape in sorted(shapes.items()):
+        if shape != tuple(state[name].shape):  # a DTensor's shape is the whole tensor's
             raise ValueError(
-                f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
-                f"{tuple(model.state_dict()[name].shape)}"
+                f"{name}: checkpoint shape {shape} != model shape {tuple(state[name].shape)}"
             )
-    model.load_state_dict(state)
-    return model
+    with torch.no_grad():
+        for name, target in state.items():
+            local = target.to_local() if isinstance(target, DTensor) else target
+            if name.startswith("mtp."):
+                if name in saved_mtp:
+                    whole = saved_mtp[name].float()
+                    span = rows(name)
+                    local.copy_(whole if span is None else whole[span[0] : span[1]])
+                continue
+            local.copy_(reader.read(name, rows(name)))
 
 
 def save_pretrained(
