@@ -518,6 +518,27 @@ def test_dashboards_are_current_and_ship_through_labelled_configmaps() -> None:
         assert yaml.safe_load(board)["uid"].startswith("etude-")
 
 
+def test_dependency_panels_follow_the_services_own_probes() -> None:
+    """A "Dependencies ready" panel only where the service probes dependencies (and so
+    exports etude_dependency_ready); the chart's map equals the service classes'."""
+    import importlib
+
+    import chart_panels
+
+    from services.wire.service import Service
+
+    for name in SERVICE_NAMES:
+        module = importlib.import_module(f"services.{name}.service")
+        (service_class,) = {
+            value
+            for value in vars(module).values()
+            if isinstance(value, type) and issubclass(value, Service) and value is not Service
+        }
+        assert tuple(service_class.dependencies) == chart_panels.GRPC_DEPENDENCIES[name], name
+        titles = {panel["title"] for panel in chart_panels.readiness_panels(name)}
+        assert ("Dependencies ready" in titles) == bool(service_class.dependencies), name
+
+
 def test_dashboards_only_use_label_values_that_exist() -> None:
     """Enumerated labels in dashboards, alerts and KEDA name real states, codes, services."""
     from services.api.v1 import (

@@ -27,6 +27,16 @@ GRPC_SERVICES = {
     "trainer": "etude.v1.TrainerService",
     "evals": "etude.v1.EvalsService",
 }
+# The services each service probes over gRPC health (the `dependencies` of its service
+# class; tests/test_chart.py holds them equal). Only they export etude_dependency_ready,
+# so only their dashboards get a "Dependencies ready" panel.
+GRPC_DEPENDENCIES = {
+    "reconciler": (),
+    "envs": ("reconciler", "inference"),
+    "inference": (),
+    "trainer": ("reconciler",),
+    "evals": ("reconciler", "inference"),
+}
 # Calls the server failed (not the caller's mistakes such as INVALID_ARGUMENT).
 SERVER_ERRORS = "INTERNAL|UNKNOWN|UNAVAILABLE|DATA_LOSS|DEADLINE_EXCEEDED"
 RATE = "[$__rate_interval]"
@@ -122,7 +132,7 @@ def increase(metric: str, by: str, selector: str = SEL) -> str:
 
 
 def readiness_panels(service: str) -> list[Panel]:
-    return [
+    panels = [
         panel(
             "Ready pods",
             [(f'sum(etude_service_ready{{service="{service}", {SEL}}})', "ready")],
@@ -134,17 +144,22 @@ def readiness_panels(service: str) -> list[Panel]:
             [(f'count(etude_service_ready{{service="{service}", {SEL}}} == 0) or vector(0)', "")],
             kind="stat",
         ),
-        panel(
-            "Dependencies ready",
-            [
-                (
-                    f'min by (dependency) (etude_dependency_ready{{service="{service}", {SEL}}})',
-                    "{{dependency}}",
-                )
-            ],
-            description="1 when every pod sees the dependency ready; 0 when any does not.",
-        ),
     ]
+    if GRPC_DEPENDENCIES[service]:
+        panels.append(
+            panel(
+                "Dependencies ready",
+                [
+                    (
+                        f"min by (dependency) "
+                        f'(etude_dependency_ready{{service="{service}", {SEL}}})',
+                        "{{dependency}}",
+                    )
+                ],
+                description="1 when every pod sees the dependency ready; 0 when any does not.",
+            )
+        )
+    return panels
 
 
 def grpc_panels(service: str) -> list[Panel]:
