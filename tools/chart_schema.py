@@ -36,6 +36,7 @@ CHART_MANAGED_CONFIG = {
     "RunConfig": ("state_dir",),
     "GrpcServerConfig": ("port", "tls_cert_file", "tls_key_file"),
     "HttpServerConfig": ("port",),
+    "TrainerConfig": ("checkpoint_dir",),
 }
 
 

@@ -21,7 +21,12 @@ credentials reach the pods as environment variables from Secrets.
 {{- $_ := set $grpc "tls_cert_file" "/etc/etude/tls/tls.crt" -}}
 {{- $_ := set $grpc "tls_key_file" "/etc/etude/tls/tls.key" -}}
 {{- end -}}
-{{- $_ := set $managed $component (dict "grpc" $grpc "http" (dict "port" (int $values.ports.http))) -}}
+{{- $section := dict "grpc" $grpc "http" (dict "port" (int $values.ports.http)) -}}
+{{- if eq $component "trainer" -}}
+{{- /* Local checkpoints, or the staging of checkpoints in the object store, on the checkpoint volume. */ -}}
+{{- $_ := set $section "checkpoint_dir" $values.checkpoints.mountPath -}}
+{{- end -}}
+{{- $_ := set $managed $component $section -}}
 {{- end -}}
 {{- if $ctx.Values.tls.enabled -}}
 {{- $_ := set $endpoints "tls_ca_file" "/etc/etude/tls/ca.crt" -}}
