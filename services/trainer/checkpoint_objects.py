@@ -257,8 +257,8 @@ class ObjectStoreCheckpoints(Checkpoints):
                     self._delete(name, keep_attempt=self.read_manifest(name).attempt)
                 else:
                     self.store.delete([k for k in keys if k.startswith(f"{self.prefix}/{name}/")])
-            if self.staging.is_dir():
-                for path in self.staging.glob(".save-*"):
+            if self.staging.is_dir():  # what a killed save or resume left
+                for path in [*self.staging.glob(".save-*"), *self.staging.glob(".load-*")]:
                     shutil.rmtree(path, ignore_errors=True)
         self.runtime.barrier()
 
