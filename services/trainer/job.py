@@ -57,14 +57,15 @@ Plan = Callable[[float], Awaitable["list[StepMessage] | None"]]
 argument is when the step began to wait for work."""
 
 
-def version_provenance(groups: Sequence[reconciler_pb2.Group], version: int) -> dict[str, Any]:
+def version_provenance(groups: Sequence[reconciler_pb2.Group]) -> dict[str, Any]:
     """Which policy versions a batch came from, for the step's record: each group's
-    staleness (``version`` minus the version it started under), the versions its
-    rollouts' tokens came from, and how many rollouts span more than one version."""
+    staleness as the reconciler judged it (``Group.staleness``, by its staleness anchor;
+    the trainer computes none of its own), the versions its rollouts' tokens came from,
+    and how many rollouts span more than one version."""
     rollouts = [r for group in groups for r in group.rollouts]
     versions = {v for r in rollouts for v in (r.min_policy_version, r.max_policy_version)}
     return {
-        "staleness": [max(version - group.start_policy_version, 0) for group in groups],
+        "staleness": [group.staleness for group in groups],
         "rollout_versions": sorted(versions),
         "rollouts_spanning_versions": sum(
             1 for r in rollouts if r.max_policy_version > r.min_policy_version
@@ -258,7 +259,7 @@ class TrainingJob:
         base.stats = replace(collected, items=[])  # the sequences travel in the parts
         base.group_ids = [group.group_id for group in answer.groups]
         base.num_stale_dropped = answer.num_stale_dropped
-        base.provenance = version_provenance(answer.groups, self.policy_version)
+        base.provenance = version_provenance(answer.groups)
         parts = self.planner.plan(collected.items, rl.microbatch_tokens)
         return [replace(base, part=part) for part in parts]
 

@@ -550,6 +550,7 @@ class Group(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     READY_AT_FIELD_NUMBER: _builtins.int
     WEIGHT_FIELD_NUMBER: _builtins.int
+    STALENESS_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     kind: _common_pb2.SlotKind.ValueType
     num_samples: _builtins.int
@@ -559,6 +560,12 @@ class Group(_message.Message):
     ready_at: _builtins.float
     weight: _builtins.float
     """Loss weight the staleness policy assigned (1.0 unless down-weighted)."""
+    staleness: _builtins.int
+    """Policy versions between the trainer version that pulled the group and the version
+    the reconciler's staleness_anchor counts from (the group's first lease, "start", or
+    its submission, "submit"), as the staleness policy judged it: 0 .. 2^53 - 1, never
+    negative; 0 until the group is pulled. The trainer reports this value.
+    """
     @_builtins.property
     def task(self) -> _common_pb2.Task: ...
     @_builtins.property
@@ -581,10 +588,11 @@ class Group(_message.Message):
         created_at: _builtins.float = ...,
         ready_at: _builtins.float = ...,
         weight: _builtins.float = ...,
+        staleness: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "group_id", b"group_id", "kind", b"kind", "num_samples", b"num_samples", "ready_at", b"ready_at", "rollouts", b"rollouts", "slots", b"slots", "start_policy_version", b"start_policy_version", "state", b"state", "task", b"task", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "group_id", b"group_id", "kind", b"kind", "num_samples", b"num_samples", "ready_at", b"ready_at", "rollouts", b"rollouts", "slots", b"slots", "staleness", b"staleness", "start_policy_version", b"start_policy_version", "state", b"state", "task", b"task", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -39,6 +39,7 @@ local function requeue(gid)
     redis.call('ZADD', P .. ':pending:' .. g[2], tonumber(s[2]), sid)
   end
   redis.call('HSET', gk, 'n_complete', 0, 'n_dead', 0, 'start_version', -1)
+  redis.call('HDEL', gk, 'staleness')
   redis.call('HINCRBY', gk, 'requeues', 1)
   group_state(gid, 'READY', 'RUNNING')
 end
@@ -48,7 +49,9 @@ for _, gid in ipairs(redis.call('ZRANGE', P .. ':ready', 0, -1)) do
   if #take >= n then break end
   local g = redis.call('HMGET', group_key(gid), 'start_version', 'submit_version')
   local origin = tonumber(anchor == 'start' and g[1] or g[2])
-  local stale = current - origin
+  -- Never negative: a trainer behind the version a group started under (a resumed one)
+  -- pulls it fresh. The group keeps this value (Group.staleness); the trainer reports it.
+  local stale = math.max(current - origin, 0)
   if stale > max_stale and policy == 'drop' then
     redis.call('ZREM', P .. ':ready', gid)
     redis.call('HSET', group_key(gid), 'drop_reason', 'stale', 'staleness', stale)
