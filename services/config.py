@@ -39,6 +39,24 @@ class GrpcServerConfig(StrictModel):
     max_concurrent_rpcs: int | None = Field(
         None, ge=1, description="Calls beyond this answer RESOURCE_EXHAUSTED; unset is no limit."
     )
+    max_connection_age_s: float = Field(
+        30.0,
+        ge=1,
+        le=86_400,
+        description=(
+            "Connections are closed (GOAWAY, ±10 % jitter) after this long, so clients "
+            "resolve the Service again and spread over replicas added since."
+        ),
+    )
+    max_connection_age_grace_s: float = Field(
+        600.0,
+        ge=0,
+        le=86_400,
+        description=(
+            "Calls on a connection closed for its age get this long to finish (a long "
+            "generation, a watch); then they end UNAVAILABLE and are retried."
+        ),
+    )
     tls_cert_file: str | None = Field(None, description="PEM certificate; plaintext when unset.")
     tls_key_file: str | None = Field(None, description="PEM private key for tls_cert_file.")
 
@@ -119,7 +137,8 @@ class TelemetryConfig(StrictModel):
 
 
 class EndpointsConfig(StrictModel):
-    """Where each service is reached, as gRPC targets ("host:port")."""
+    """Where each service is reached, as gRPC targets: "host:port" or "dns:///name:port"
+    (every address the name resolves to gets calls in turn)."""
 
     reconciler: str = Field("127.0.0.1:50051", description="Reconciler gRPC target.")
     envs: str = Field("127.0.0.1:50052", description="Envs gRPC target.")
@@ -128,6 +147,15 @@ class EndpointsConfig(StrictModel):
     evals: str = Field("127.0.0.1:50055", description="Evals gRPC target.")
     tls_ca_file: Path | None = Field(
         None, description="CA bundle for TLS to other services; plaintext when unset."
+    )
+    min_resolution_interval_s: float = Field(
+        30.0,
+        ge=0.1,
+        le=3600,
+        description=(
+            "A client resolves a target again (on a closed connection) at most this often; "
+            "with the servers' max_connection_age_s it bounds how soon new replicas get calls."
+        ),
     )
 
     def target(self, service: ServiceName) -> str:

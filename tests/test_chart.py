@@ -101,8 +101,10 @@ def test_rendered_config_is_what_the_services_load(tmp_path: Path) -> None:
     path = tmp_path / "config.toml"
     path.write_text(text)
     config = load_config(path, environ={"ETUDE_AUTH__TOKEN": "t"})
-    assert config.endpoints.reconciler == "etude-reconciler:50051"
-    assert config.endpoints.inference == "etude-inference:50053"
+    assert config.endpoints.reconciler == "dns:///etude-reconciler-headless:50051"
+    assert config.endpoints.inference == "dns:///etude-inference-headless:50053"
+    assert config.endpoints.evals == "dns:///etude-evals-headless:50055"
+    assert config.endpoints.trainer == "etude-trainer:50054"  # pod 0 only
     assert config.redis.url == "redis://etude-redis:6379/0"
     assert config.object_store.url == "s3://etude/runs"
     assert config.inference.grpc.port == 50053 and config.inference.http.port == 9103
@@ -162,6 +164,36 @@ def test_multi_replica_services_get_pdbs_single_ones_do_not() -> None:
     assert "PodDisruptionBudget/etude-inference" in names
     assert "PodDisruptionBudget/etude-evals" not in names
     assert "PodDisruptionBudget/etude-trainer" not in names  # one node
+
+
+@pytest.mark.parametrize("component", ["reconciler", "inference", "evals"])
+def test_balanced_services_are_reached_through_a_headless_service(component: str) -> None:
+    manifests = render(CASES["examples/region-train.yaml"] if component == "reconciler" else {})
+    name = f"etude-{component}"
+    headless = chart_check.find(manifests, "Service", f"{name}-headless")
+    # Every ready replica is an address of the name; a loading or stopping one is not.
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is False
+    deployment = chart_check.find(manifests, "Deployment", name)
+    assert headless["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert [p["name"] for p in headless["spec"]["ports"]] == ["grpc"]
+    # Scraped once, through the component's own Service, which stays (a LoadBalancer
+    # for the training region's reconciler).
+    assert headless["metadata"]["labels"]["etude/scrape"] == "false"
+    service = chart_check.find(manifests, "Service", name)
+    assert "clusterIP" not in service["spec"]
+    if component == "reconciler":
+        assert service["spec"]["type"] == "LoadBalancer"
+    toml = chart_check.find(manifests, "ConfigMap", "etude-config")["data"]["config.toml"]
+    port = headless["spec"]["ports"][0]["port"]
+    assert f'{component} = "dns:///{name}-headless:{port}"' in toml
+
+
+def test_headless_names_stay_dns_labels_for_long_release_names() -> None:
+    manifests = render({"fullnameOverride": "x" * 60})
+    names = {m["metadata"]["name"] for m in manifests if m["kind"] == "Service"}
+    headless = {f"{'x' * 43}-{c}-headless" for c in ("reconciler", "inference", "evals")}
+    assert headless <= names and all(len(name) <= 63 for name in headless)
 
 
 # -- roles and regions -------------------------------------------------------------

@@ -1,16 +1,15 @@
 """Client channels to other services: auth, deadlines, retries, tracing.
 
 Every call gets the bearer token, a default deadline when the caller set none,
-W3C trace context (OpenTelemetry), and gRPC's retry policy for UNAVAILABLE from the
-channel's service config: a few attempts for blips. Waiting out an outage, which that
-policy cannot do, is ``services.wire.retry``'s. Mutating RPCs of the platform are
+W3C trace context (OpenTelemetry), ``round_robin`` over every address the target
+resolves to, and gRPC's retry policy for UNAVAILABLE from the channel's service config: a
+few attempts for blips (``services.wire.options`` holds the options). Waiting out an
+outage, which that policy cannot do, is ``services.wire.retry``'s. Mutating RPCs of the platform are
 idempotent (lease tokens, idempotency keys), which is what makes retrying them safe.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,31 +20,7 @@ from opentelemetry.trace import TracerProvider
 
 from services.config import MIB, ServiceName
 from services.run_config import EtudeConfig
-
-RETRYABLE_CODES = ("UNAVAILABLE",)
-
-
-def retry_service_config(max_attempts: int = 4) -> str:
-    """gRPC service config: retry UNAVAILABLE with exponential backoff, for every method.
-
-    gRPC caps ``max_attempts`` at 5, and retries a streaming call only until its first
-    response arrives."""
-    return json.dumps(
-        {
-            "methodConfig": [
-                {
-                    "name": [{}],
-                    "retryPolicy": {
-                        "maxAttempts": max_attempts,
-                        "initialBackoff": "0.1s",
-                        "maxBackoff": "2s",
-                        "backoffMultiplier": 2,
-                        "retryableStatusCodes": list(RETRYABLE_CODES),
-                    },
-                }
-            ]
-        }
-    )
+from services.wire.options import channel_options
 
 
 class _CallDefaults:
@@ -94,20 +69,19 @@ def make_channel(
     tls_ca_file: Path | None = None,
     tracer_provider: TracerProvider | None = None,
     max_attempts: int = 4,
+    min_resolution_interval_s: float = 30.0,
 ) -> aio.Channel:
-    """An aio channel to `target` with auth, deadlines, retries and trace propagation.
+    """An aio channel to `target` with auth, deadlines, retries, round-robin over the
+    target's addresses and trace propagation (options: ``services.wire.options``).
 
     `default_timeout_s` applies to calls made without a timeout; None leaves them
     unbounded (streams that live as long as the process, such as watches).
     """
-    options: Sequence[tuple[str, Any]] = [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.enable_retries", 1),
-        ("grpc.service_config", retry_service_config(max_attempts)),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-    ]
+    options = channel_options(
+        max_message_bytes=max_message_bytes,
+        max_attempts=max_attempts,
+        min_resolution_interval_s=min_resolution_interval_s,
+    )
     interceptors: list[aio.ClientInterceptor] = [
         *aio_client_interceptors(tracer_provider=tracer_provider),
         *(
@@ -147,6 +121,7 @@ class Channels:
                 token=token.get_secret_value() if token else None,
                 tls_ca_file=self._config.endpoints.tls_ca_file,
                 tracer_provider=self._tracer_provider,
+                min_resolution_interval_s=self._config.endpoints.min_resolution_interval_s,
             )
         return self._channels[service]
 

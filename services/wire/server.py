@@ -27,6 +27,7 @@ from services.run_config import EtudeConfig
 from services.wire.client import Channels
 from services.wire.http import serve_http
 from services.wire.interceptors import BearerTokenAuth, ObservedCalls
+from services.wire.options import server_options
 from services.wire.service import LIVENESS, READINESS, READY, Readiness, Service
 
 log = logging.getLogger(__name__)
@@ -85,11 +86,7 @@ def build_server(
         )
     server = aio.server(
         interceptors=interceptors,
-        options=[
-            ("grpc.max_send_message_length", settings.max_message_bytes),
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ],
+        options=server_options(settings),
         maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
     )
     health_servicer = health.aio.HealthServicer()

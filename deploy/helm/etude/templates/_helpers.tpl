@@ -22,6 +22,11 @@ reconciler envs inference trainer evals
 {{- printf "%s-%s" (include "etude.fullname" .ctx | trunc 52 | trimSuffix "-") .component -}}
 {{- end -}}
 
+{{/* A component's headless Service; the prefix is cut shorter so the name stays a 63-character DNS label. */}}
+{{- define "etude.headlessName" -}}
+{{- printf "%s-%s-headless" (include "etude.fullname" .ctx | trunc 43 | trimSuffix "-") .component -}}
+{{- end -}}
+
 {{- define "etude.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -69,12 +74,23 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-auth" (include "etude.fullname" .)) .Values.auth.existingSecret -}}
 {{- end -}}
 
-{{/* The gRPC target of a service: an explicit endpoints.<svc>, else this release's Service. */}}
+{{/* The components whose replicas share the load: each has a headless Service that clients resolve. */}}
+{{- define "etude.balanced" -}}
+reconciler inference evals
+{{- end -}}
+
+{{/*
+The gRPC target of a service: an explicit endpoints.<svc>, else this release's Service;
+for a balanced component its headless Service, as dns:/// so that clients spread their
+calls over every ready replica (round_robin) and resolve again as connections age out.
+*/}}
 {{- define "etude.endpoint" -}}
 {{- $explicit := index .ctx.Values.endpoints .component -}}
 {{- $values := index .ctx.Values .component -}}
 {{- if $explicit -}}
 {{- $explicit -}}
+{{- else if and $values.enabled (has .component (splitList " " (include "etude.balanced" .ctx))) -}}
+{{- printf "dns:///%s:%d" (include "etude.headlessName" .) (int $values.ports.grpc) -}}
 {{- else if $values.enabled -}}
 {{- printf "%s:%d" (include "etude.componentName" .) (int $values.ports.grpc) -}}
 {{- end -}}

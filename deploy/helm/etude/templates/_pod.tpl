@@ -272,6 +272,33 @@ spec:
     - {name: http, port: {{ int $values.ports.http }}, targetPort: http, protocol: TCP}
 {{- end -}}
 
+{{/*
+A component's headless Service: its DNS name resolves to every ready pod, so clients
+(dns:/// targets, round_robin) spread their calls over all replicas and find new ones
+when they resolve again. Not scraped: the component's ClusterIP Service selects the
+same pods.
+*/}}
+{{- define "etude.headlessService" -}}
+{{- $ctx := .ctx -}}
+{{- $values := index $ctx.Values .component -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "etude.headlessName" . }}
+  namespace: {{ $ctx.Release.Namespace }}
+  labels:
+    {{- include "etude.labels" . | nindent 4 }}
+    etude/scrape: "false"
+spec:
+  clusterIP: None
+  # Only ready pods: a replica still loading or shutting down gets no calls.
+  publishNotReadyAddresses: false
+  selector:
+    {{- include "etude.selectorLabels" . | nindent 4 }}
+  ports:
+    - {name: grpc, port: {{ int $values.ports.grpc }}, targetPort: grpc, protocol: TCP}
+{{- end -}}
+
 {{/* A PodDisruptionBudget when more than one pod may run. */}}
 {{- define "etude.pdb" -}}
 {{- $ctx := .ctx -}}
