@@ -53,6 +53,20 @@ class ModelSettings(StrictModel):
         0, ge=0, le=4, description="Multi-token-prediction heads trained by self-distillation."
     )
     mtp_loss_coef: float = Field(0.1, ge=0, description="Weight of the MTP distillation loss.")
+    activation_checkpointing: bool = Field(
+        False,
+        description="Keep only each decoder layer's input in the forward and recompute the "
+        "layer in backward: activation memory of one tensor per layer, for one more forward "
+        "of compute (the step's results are the same bit for bit). For long sequences that "
+        "would not fit otherwise; it costs time on a CPU (docs/benchmarks.md, trainer).",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer, policy and reference (Inductor). Off "
+        "by default: on CPU attention loops over the microbatch's sequences in Python, so "
+        "every new set of sequence lengths compiles the layers again (docs/benchmarks.md, "
+        "trainer, measures it). Tested in one process only.",
+    )
 
     @model_validator(mode="after")
     def _fused_needs_plain_experts(self) -> ModelSettings:

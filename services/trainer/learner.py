@@ -9,10 +9,9 @@ Nothing here talks to other services.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -22,7 +21,6 @@ from services.trainer.loss import next_token_loss, policy_loss
 from services.trainer.model import (
     ForwardOutput,
     Qwen3MoE,
-    load_pretrained,
     resolve_compute_dtype,
     resolve_experts_precision,
     token_logprobs,
@@ -81,21 +79,27 @@ class Learner:
         runtime = runtime or LocalRuntime()
         settings = job.model
         dtype = resolve_compute_dtype(settings.compute_dtype, runtime.device)
-        model = load_pretrained(
-            model_dir,
-            dtype=dtype,
-            experts_precision=resolve_experts_precision(
+        options: dict[str, Any] = {
+            "dtype": dtype,
+            "experts_precision": resolve_experts_precision(
                 settings.experts_precision, dtype, settings.experts_backend
             ),
-            replay_min_prob_ratio=job.replay.min_prob_ratio,
-            num_mtp_heads=settings.num_mtp_heads,
-            seed=job.seed,
-            numerics=settings.numerics,
-        )
+            "replay_min_prob_ratio": job.replay.min_prob_ratio,
+            "num_mtp_heads": settings.num_mtp_heads,
+            "numerics": settings.numerics,
+        }
+        model = runtime.load_model(model_dir, seed=job.seed, **options)
+        model.activation_checkpointing = settings.activation_checkpointing
         reference = None
         if job.phase == "rl" and job.rl.kl_coef > 0:
-            reference = runtime.parallelize(copy.deepcopy(model).requires_grad_(False))
-        return cls(runtime.parallelize(model), job, reference, runtime)
+            # Loaded as the policy is (this rank's shards only), frozen: no gradients, so
+            # no optimizer state and no recomputation.
+            reference = runtime.load_model(model_dir, seed=job.seed, **options)
+            reference.requires_grad_(False)
+        for each in (model, reference):
+            if each is not None and settings.compile:
+                each.compile_layers()
+        return cls(model, job, reference, runtime)
 
     def refresh_reference(self) -> None:
         """The reference becomes a copy of the current policy."""

@@ -95,6 +95,14 @@ class TrainerRuntime(abc.ABC):
     def parallelize(self, model: Qwen3MoE) -> Qwen3MoE:
         """``model`` laid out over the ranks (this rank's shards), on this rank's device."""
 
+    def load_model(self, model_dir: Path, *, seed: int, **options: Any) -> Qwen3MoE:
+        """The model of ``model_dir`` laid out for this rank (``options``: ``Qwen3MoE``'s
+        keyword arguments; ``seed`` draws MTP heads the checkpoint lacks). Here: loaded
+        whole, a tensor at a time, then ``parallelize``."""
+        from services.trainer.model import load_pretrained
+
+        return self.parallelize(load_pretrained(model_dir, seed=seed, **options))
+
     @abc.abstractmethod
     def served_weights(self, model: Qwen3MoE) -> dict[str, torch.Tensor]:
         """This rank's shard of the weights inference serves (HF names, bf16; collective)."""

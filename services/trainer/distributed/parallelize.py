@@ -38,14 +38,18 @@ from services.trainer.precision import MoEExperts
 
 
 def parallelize(model: Qwen3MoE, meshes: Meshes, device: torch.device) -> Qwen3MoE:
-    """Shards ``model`` in place for this rank (every rank calls it on the same weights)."""
+    """Shards ``model`` in place for this rank (every rank calls it on the same weights).
+
+    A model on the meta device stays there: ``model.to_empty(device=...)`` then gives each
+    shard its storage, for ``services.trainer.distributed.loading`` to fill."""
     layout = meshes.layout
     if layout.cp > 1 and len(model.mtp):
         raise ValueError(
             f"MTP heads (num_mtp_heads = {len(model.mtp)}) need each sequence whole on one "
             f"rank; they do not run with context parallelism (dist.cp = {layout.cp})"
         )
-    model.to(device)
+    if not any(param.is_meta for param in model.parameters()):
+        model.to(device)  # a model built on the meta device gets its storage after
     cp_mesh = meshes.dense["cp"]
     for layer in model.model.layers:
         assert isinstance(layer, DecoderLayer)

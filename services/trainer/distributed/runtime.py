@@ -139,6 +139,13 @@ class Runtime(TrainerRuntime):
 
         return parallelize(model, self.meshes, self.device)
 
+    def load_model(self, model_dir: Path, *, seed: int, **options: Any) -> Qwen3MoE:
+        """This rank's shards only, read from the checkpoint's files
+        (``loading.load_sharded``): no rank holds the whole model."""
+        from services.trainer.distributed.loading import load_sharded
+
+        return load_sharded(model_dir, self.meshes, self.device, seed=seed, **options)
+
     def served_weights(self, model: Qwen3MoE) -> dict[str, torch.Tensor]:
         """This rank's shard of the served weights (``publishing.shard_tensors``)."""
         from services.trainer.distributed.publishing import shard_tensors

@@ -313,6 +313,13 @@ class Qwen3MoE(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPHead(arch) for _ in range(num_mtp_heads))
 
+    def compile_layers(self) -> None:
+        """``torch.compile`` each decoder layer in place (Inductor; the weights stay where
+        they are). The layer's Python loop over sequences is traced with the sequence
+        lengths as constants, so a microbatch of new lengths compiles again."""
+        for layer in self.model.layers:
+            layer.compile()
+
     def forward(self, inputs: PackedInputs) -> ForwardOutput:
         """Runs the stream; routes by replay where ``inputs`` carries it."""
         arch = self.arch
