@@ -11,7 +11,13 @@ import torch
 from services.api.v1 import common_pb2, reconciler_pb2
 from services.objectstore.base import sha256_hex
 from services.objectstore.local import FileObjectStore
-from services.trainer.batch import PulledGroup, build_rl_batch, dr_grpo_advantages, load_groups
+from services.trainer.batch import (
+    PulledGroup,
+    build_rl_batch,
+    dr_grpo_advantages,
+    load_groups,
+    returned_slots,
+)
 from services.trainer.loss import next_token_loss, policy_loss
 from services.trainer.model import Architecture, PackedInputs
 from services.trainer.rollouts import Rollout, RolloutError, parse_record, parse_segment
@@ -247,20 +253,30 @@ def test_single_sample_groups_and_bad_rollouts_are_skipped_and_counted() -> None
     good = parse_record(_record([_segment([1, 2, 3], 2, [1])]), 1.0, ARCH, replay_mode="off")
     assert isinstance(good, Rollout)
     bad = RolloutError("routed_experts_layers", "3 MoE layers, the model has 2")
-    batch = build_rl_batch(
-        [
-            PulledGroup("k1", 1.0, [_summary(1.0, 0)], [good]),
-            PulledGroup("mixed", 0.5, [_summary(1.0, 0), _summary(0.0, 1)], [good, bad]),
-        ],
-        microbatch_tokens=1000,
-        num_layers=2,
-        top_k=2,
-    )
-    assert batch.skipped == {"group_single_sample": 1, "rollout_routed_experts_layers": 1}
-    # The bad rollout's reward still sets the baseline: the good one has A = 1 - 0.5.
-    assert batch.advantages == [0.5]
-    assert batch.group_weights == [0.5]
-    assert batch.microbatches[0].weights.tolist() == [0.5, 0.5]
+    gone = RolloutError("store_unavailable", "connection refused", retryable=True)
+    groups = [
+        PulledGroup("k1", 1.0, [_summary(1.0, 0)], [good]),
+        PulledGroup("mixed", 0.5, [_summary(1.0, 0), _summary(0.0, 1)], [good, bad]),
+        PulledGroup("unserved", 1.0, [_summary(1.0, 0), _summary(0.0, 1)], [gone, good]),
+        PulledGroup("fine", 0.5, [_summary(1.0, 0), _summary(0.0, 1)], [good, good]),
+    ]
+    batch = build_rl_batch(groups, microbatch_tokens=1000, num_layers=2, top_k=2)
+    # A group with a record that failed is handed back whole, its rewards not counted (it
+    # comes again, or is dropped); the others train.
+    assert batch.skipped == {
+        "group_single_sample": 1,
+        "group_returned": 2,
+        "rollout_routed_experts_layers": 1,
+        "rollout_store_unavailable": 1,
+    }
+    assert batch.advantages == [0.5, -0.5]
+    assert [r.total for r in batch.rewards] == [1.0, 0.0]
+    assert batch.group_weights == [0.5, 0.5]
+    assert batch.microbatches[0].weights.tolist() == [0.5] * 4
+    assert [(s.slot_id, s.reason, s.retryable) for s in returned_slots(groups)] == [
+        ("mixed/1", "trainer: routed_experts_layers", False),
+        ("unserved/0", "trainer: store_unavailable", True),
+    ]
 
 
 def _graded(task: float, length_penalty: float, index: int) -> common_pb2.RolloutSummary:

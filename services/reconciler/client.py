@@ -330,6 +330,21 @@ class ReconcilerClient:
 
         return await retrying(commit, self.trainer_retry, "CommitBatch")
 
+    async def return_groups(
+        self, consumer_id: str, step: int, slots: Sequence[reconciler_pb2.ReturnedSlot]
+    ) -> list[reconciler_pb2.SlotState.ValueType]:
+        """Hands back the groups of `slots` pulled for `step` (their records failed to load
+        or check): each slot runs again or is dead; per slot its new state (UNSPECIFIED:
+        unchanged). Retried through an outage by ``trainer_retry`` (a repeat changes nothing)."""
+        request = reconciler_pb2.ReturnGroupsRequest(
+            consumer_id=consumer_id, step=step, slots=slots
+        )
+
+        async def hand_back() -> list[reconciler_pb2.SlotState.ValueType]:
+            return list((await self.stub.ReturnGroups(request)).states)
+
+        return await retrying(hand_back, self.trainer_retry, "ReturnGroups")
+
     async def policy_versions(self, after_version: int = 0) -> AsyncIterator[int]:
         """Each newer published version, as announced (the newest at once if newer);
         the watch is re-opened after outages and deadlines (``WATCH_RETRY``), without

@@ -60,6 +60,13 @@ class StateSnapshot(Collector):
         )
         stale.add_metric(["dropped"], counts.get("stale_dropped", 0))
         stale.add_metric(["requeued"], counts.get("stale_requeued", 0))
+        returned = CounterMetricFamily(
+            "etude_reconciler_returned_slots",
+            "Completed slots the trainer handed back (their record failed to load or check).",
+            labels=["action"],
+        )
+        returned.add_metric(["requeued"], counts.get("returned_slots:requeued", 0))
+        returned.add_metric(["dead"], counts.get("returned_slots:dead", 0))
         dead = CounterMetricFamily("etude_reconciler_dead_slots", "Dead slots.", labels=["reason"])
         for reason, value in sorted(self.dead_reasons.items()):
             dead.add_metric([reason], value)
@@ -67,7 +74,7 @@ class StateSnapshot(Collector):
             "etude_reconciler_policy_version", "Newest published policy version."
         )
         version.add_metric([], self.policy_version)
-        yield from (slots, groups, training, expiries, rejected, stale, dead, version)
+        yield from (slots, groups, training, expiries, rejected, stale, returned, dead, version)
 
 
 SNAPSHOT = StateSnapshot()

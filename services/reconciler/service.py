@@ -143,6 +143,17 @@ class ReconcilerServicer(reconciler_pb2_grpc.ReconcilerServiceServicer):
         committed = await self._store.commit(request.consumer_id, request.step, request.group_ids)
         return reconciler_pb2.CommitBatchResponse(num_committed=committed)
 
+    async def ReturnGroups(
+        self, request: reconciler_pb2.ReturnGroupsRequest, context: aio.ServicerContext
+    ) -> reconciler_pb2.ReturnGroupsResponse:
+        validation.validate_return_groups(request)
+        states = await self._store.return_slots(request.consumer_id, request.step, request.slots)
+        return reconciler_pb2.ReturnGroupsResponse(
+            states=[
+                _SLOT_STATES.get(state, reconciler_pb2.SLOT_STATE_UNSPECIFIED) for state in states
+            ]
+        )
+
     async def GetGroup(
         self, request: reconciler_pb2.GetGroupRequest, context: aio.ServicerContext
     ) -> reconciler_pb2.GetGroupResponse:

@@ -33,7 +33,18 @@ SLOT_STATES = ("PENDING", "LEASED", "COMPLETE", "DEAD")
 GROUP_STATES = ("RUNNING", "READY", "CONSUMED", "COMMITTED", "DROPPED")
 # A Redis outage: a fault callers retry (the service answers UNAVAILABLE), not a bug.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
-_SCRIPTS = ("submit", "claim", "heartbeat", "complete", "fail", "reap", "pull", "commit", "publish")
+_SCRIPTS = (
+    "submit",
+    "claim",
+    "heartbeat",
+    "complete",
+    "fail",
+    "reap",
+    "pull",
+    "commit",
+    "return",
+    "publish",
+)
 
 
 def run_prefix(run_name: str) -> str:
@@ -238,6 +249,16 @@ class SlotStore:
         """Marks everything `consumer` pulled for steps <= `step`, and `group_ids`, as trained."""
         retention_ms = int(self.config.committed_retention_s * 1000)
         return int(await self._run("commit", consumer, step, retention_ms, *group_ids))
+
+    async def return_slots(
+        self, consumer: str, step: int, slots: Sequence[reconciler_pb2.ReturnedSlot]
+    ) -> list[str]:
+        """Hands back the groups of `slots` that `consumer` pulled for `step`, each named
+        slot run again (retryable) or dead; per slot its new state, "" when unchanged."""
+        args: list[Any] = [consumer, step, self.config.max_attempts]
+        for slot in slots:
+            args += [slot.slot_id, slot.reason, int(slot.retryable)]
+        return [_text(state) for state in await self._run("return", *args)]
 
     async def get_group(self, group_id: str) -> reconciler_pb2.Group:
         """The group with its slots and completed rollouts; NotFound when unknown."""

@@ -118,6 +118,25 @@ def validate_fail_slot(request: reconciler_pb2.FailSlotRequest) -> None:
     require_text(request.reason, "reason", MAX_REASON_BYTES)
 
 
+def validate_return_groups(request: reconciler_pb2.ReturnGroupsRequest) -> None:
+    """A consumer id, a step, 1..MAX_GROUPS_PER_CALL slots (each once) with a reason."""
+    require_identifier(request.consumer_id, "consumer_id")
+    require_range(request.step, "step", 0, MAX_STEP)
+    _require_count(len(request.slots), "slots", MAX_GROUPS_PER_CALL)
+    seen: set[str] = set()
+    for index, slot in enumerate(request.slots):
+        field = f"slots[{index}]"
+        require(
+            _SLOT_ID.match(slot.slot_id) is not None,
+            f"{field}.slot_id",
+            f"{slot.slot_id[:80]!r} is not a slot id ('<16 hex digits>/<index>')",
+        )
+        require(slot.slot_id not in seen, f"{field}.slot_id", f"{slot.slot_id!r} appears twice")
+        seen.add(slot.slot_id)
+        require(bool(slot.reason), f"{field}.reason", "must not be empty")
+        require_text(slot.reason, f"{field}.reason", MAX_REASON_BYTES)
+
+
 def validate_pull_batch(request: reconciler_pb2.PullBatchRequest) -> None:
     """A consumer id, 1..MAX_GROUPS_PER_CALL groups, a wait of at most an hour."""
     require_identifier(request.consumer_id, "consumer_id")

@@ -11,6 +11,12 @@ backward for next to no signal (DAPO's dynamic sampling, without resampling). Su
 group is still consumed by the step, and its rewards still count in the step's reward
 metrics, which describe what the policy sampled, not what was trained.
 
+A group with a rollout whose record failed to load or to pass its checks is not trained
+either: it is handed back to the reconciler (``returned_slots``), which runs that slot
+again (the store did not serve the record) or marks it dead with the reason (the record
+is bad), and hands the group out again once it settles, or drops it when too few of its
+slots completed (``reconciler.min_complete_samples``). The step trains the other groups.
+
 Sequences (one per segment) are packed into a flat token stream and cut into
 microbatches of at most ``microbatch_tokens`` tokens (a sequence is never split); the
 loss is normalized by one constant for the whole step, so accumulating microbatch
@@ -163,11 +169,29 @@ def load_groups(
                     parse_record(record, summary.reward.total, arch, replay_mode=replay_mode)
                 )
             except RolloutError as error:
-                log.warning("rollout %s skipped: %s", summary.rollout_id, error)
+                log.warning("rollout %s handed back: %s", summary.rollout_id, error)
                 rollouts.append(error)
         # Weight 0 means a reconciler that does not set it: full weight.
         pulled.append(PulledGroup(group.group_id, group.weight or 1.0, summaries, rollouts))
     return pulled
+
+
+def returned_slots(groups: Sequence[PulledGroup]) -> list[reconciler_pb2.ReturnedSlot]:
+    """The slots to hand back to the reconciler: each rollout whose record failed to load
+    or check, with its reason, retryable when the store did not serve it. Their groups
+    are left out of the step (``collect_rl_items``)."""
+    slots = []
+    for group in groups:
+        for summary, rollout in zip(group.summaries, group.rollouts, strict=False):
+            if isinstance(rollout, RolloutError):
+                slots.append(
+                    reconciler_pb2.ReturnedSlot(
+                        slot_id=f"{group.group_id}/{summary.sample_index}",
+                        reason=f"trainer: {rollout.reason}",
+                        retryable=rollout.retryable,
+                    )
+                )
+    return slots
 
 
 TrainItem = tuple[SegmentTokens, float, float]
@@ -296,22 +320,23 @@ def collect_rl_items(
         if reason == "group_single_sample":
             skipped[reason] += 1
             continue
+        failed = [r.reason for r in group.rollouts if isinstance(r, RolloutError)]
+        if failed:  # handed back (``returned_slots``): it comes again or is dropped
+            skipped["group_returned"] += 1
+            skipped.update(f"rollout_{why}" for why in failed)
+            continue
         if uniform_task_reward(group.summaries):
             uniform += 1
         if reason is not None:
             skipped[reason] += 1
             rewards.extend(summary.reward for summary in group.summaries)
             continue
-        # The baseline uses every completed rollout's reward, even one whose record cannot be
-        # trained on: its reward is as valid as the others'.
         group_advantages = dr_grpo_advantages([s.reward.total for s in group.summaries])
         for summary, rollout, advantage in zip(
             group.summaries, group.rollouts, group_advantages, strict=True
         ):
             rewards.append(summary.reward)
-            if isinstance(rollout, RolloutError):
-                skipped[f"rollout_{rollout.reason}"] += 1
-                continue
+            assert isinstance(rollout, Rollout)
             num_rollouts += 1
             advantages.append(advantage)
             weights.append(group.weight)

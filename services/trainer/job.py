@@ -38,7 +38,7 @@ from services.objectstore.base import ObjectStore
 from services.reconciler.client import ReconcilerClient
 from services.run_config import EtudeConfig
 from services.trainer import metrics
-from services.trainer.batch import collect_rl_items, load_groups
+from services.trainer.batch import collect_rl_items, load_groups, returned_slots
 from services.trainer.checkpoint import CheckpointInfo, Checkpoints, open_checkpoints
 from services.trainer.checkpoint_requests import CheckpointRequests
 from services.trainer.config import JobConfig
@@ -244,7 +244,8 @@ class TrainingJob:
         self, reconciler: ReconcilerClient, waiting_since: float
     ) -> list[StepMessage]:
         """Rank 0: this step's groups (retried while the reconciler is unreachable), their
-        records fetched and checked, the sequences cut into every rank's part."""
+        records fetched and checked (a group with a record that fails goes back to the
+        reconciler), the sequences cut into every rank's part."""
         rl, base = self.job.rl, StepMessage(checkpoint_tags=self.requests.take())
         answer = await reconciler.pull_batch(
             rl.consumer_id, self.step, rl.groups_per_step, self.policy_version, rl.pull_wait_s
@@ -255,11 +256,17 @@ class TrainingJob:
         skip, arch = rl.skip_uniform_task_groups, self.learner.model.arch
         load = functools.partial(load_groups, self.store, skip_uniform_task_groups=skip)
         pulled = await asyncio.to_thread(load, answer.groups, arch, self.job.replay.mode)
+        if returned := returned_slots(pulled):  # records that failed: their groups go back
+            await reconciler.return_groups(rl.consumer_id, self.step, returned)
+        back = {slot.slot_id.partition("/")[0] for slot in returned}
+        groups = [group for group in answer.groups if group.group_id not in back]
+        if not groups:  # pulls again for this step
+            return [base] * self.runtime.world_size
         collected = collect_rl_items(pulled, skip_uniform_task_groups=skip)
         base.stats = replace(collected, items=[])  # the sequences travel in the parts
-        base.group_ids = [group.group_id for group in answer.groups]
+        base.group_ids = [group.group_id for group in groups]
         base.num_stale_dropped = answer.num_stale_dropped
-        base.provenance = version_provenance(answer.groups)
+        base.provenance = version_provenance(groups)
         parts = self.planner.plan(collected.items, rl.microbatch_tokens)
         return [replace(base, part=part) for part in parts]
 

@@ -15,8 +15,10 @@ rollout that spans turns and weight updates.
 
 A record that does not fit (routed experts of the wrong shape, dtype or layer count,
 logprobs missing or not finite, masks of the wrong length, unknown token ids, too long
-for the model) raises ``RolloutError`` with a short ``reason``; the trainer skips that
-rollout and counts the reason, never crashing mid-run.
+for the model) raises ``RolloutError`` with a short ``reason``; so does a record that is
+missing or corrupt, or that the object store did not serve (``retryable``: it may load
+later). The trainer hands the rollout's group back to the reconciler, which runs the slot
+again or marks it dead with the reason, and trains on; it never crashes mid-run.
 """
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ import torch
 
 from services import routed_experts
 from services.api.v1 import common_pb2
-from services.objectstore.base import ObjectStore, ObjectStoreError, sha256_hex
+from services.objectstore.base import ObjectNotFound, ObjectStore, ObjectStoreError, sha256_hex
 from services.trainer.model.architecture import Architecture
 
 
 class RolloutError(ValueError):
-    """A rollout the trainer cannot train on; ``reason`` labels the skip metric."""
+    """A rollout the trainer cannot train on; ``reason`` labels the skip metric, and
+    ``retryable`` says the record may load later (the store did not answer)."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, *, retryable: bool = False) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
+        self.retryable = retryable
 
 
 @dataclass
@@ -177,8 +181,11 @@ def fetch_record(store: ObjectStore, ref: common_pb2.ObjectRef) -> common_pb2.Ro
         raise RolloutError("record_missing", "the rollout summary has no record reference")
     try:
         data = store.get(ref.key)
-    except ObjectStoreError as error:
+    except ObjectNotFound as error:
         raise RolloutError("record_missing", str(error)) from None
+    except (ObjectStoreError, OSError) as error:
+        # The store did not serve it (after its own retries): the record may be intact.
+        raise RolloutError("store_unavailable", str(error), retryable=True) from None
     if (ref.size_bytes and len(data) != ref.size_bytes) or (
         ref.sha256 and sha256_hex(data) != ref.sha256
     ):

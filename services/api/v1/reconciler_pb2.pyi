@@ -711,6 +711,95 @@ class CommitBatchResponse(_message.Message):
 Global___CommitBatchResponse: _TypeAlias = CommitBatchResponse  # noqa: Y015
 
 @_typing.final
+class ReturnedSlot(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLOT_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    RETRYABLE_FIELD_NUMBER: _builtins.int
+    slot_id: _builtins.str
+    """"<16 lower-case hex digits>/<sample index>": a completed slot of a group the consumer
+    pulled for the step.
+    """
+    reason: _builtins.str
+    """Why its record cannot be trained; 1 .. 4,096 bytes, no NUL byte. Dead slots are
+    counted by it (etude_reconciler_dead_slots_total{reason}).
+    """
+    retryable: _builtins.bool
+    """True when the record may load later (the object store did not answer): the slot runs
+    again as after a failed attempt, dead after max_attempts. False when the record itself
+    is bad (missing, corrupt, malformed): the slot is dead at once.
+    """
+    def __init__(
+        self,
+        *,
+        slot_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        retryable: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "retryable", b"retryable", "slot_id", b"slot_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReturnedSlot: _TypeAlias = ReturnedSlot  # noqa: Y015
+
+@_typing.final
+class ReturnGroupsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONSUMER_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
+    consumer_id: _builtins.str
+    step: _builtins.int
+    """The step the groups were pulled for; 0 .. 2^53 - 1."""
+    @_builtins.property
+    def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReturnedSlot]:
+        """1 .. 10,000 slots, each at most once."""
+
+    def __init__(
+        self,
+        *,
+        consumer_id: _builtins.str = ...,
+        step: _builtins.int = ...,
+        slots: _abc.Iterable[Global___ReturnedSlot] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_id", b"consumer_id", "slots", b"slots", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReturnGroupsRequest: _TypeAlias = ReturnGroupsRequest  # noqa: Y015
+
+@_typing.final
+class ReturnGroupsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def states(self) -> _containers.RepeatedScalarFieldContainer[Global___SlotState.ValueType]:
+        """One per slot, in order: PENDING (it runs again) or DEAD; UNSPECIFIED when nothing
+        changed (its group is not consumed by consumer_id for step, e.g. already returned by
+        a retried call, or the slot is not complete).
+        """
+
+    def __init__(
+        self,
+        *,
+        states: _abc.Iterable[Global___SlotState.ValueType] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["states", b"states"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReturnGroupsResponse: _TypeAlias = ReturnGroupsResponse  # noqa: Y015
+
+@_typing.final
 class GetGroupRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -75,6 +75,11 @@ class ReconcilerServiceStub:
                 request_serializer=etude_dot_v1_dot_reconciler__pb2.CommitBatchRequest.SerializeToString,
                 response_deserializer=etude_dot_v1_dot_reconciler__pb2.CommitBatchResponse.FromString,
                 _registered_method=True)
+        self.ReturnGroups = channel.unary_unary(
+                '/etude.v1.ReconcilerService/ReturnGroups',
+                request_serializer=etude_dot_v1_dot_reconciler__pb2.ReturnGroupsRequest.SerializeToString,
+                response_deserializer=etude_dot_v1_dot_reconciler__pb2.ReturnGroupsResponse.FromString,
+                _registered_method=True)
         self.GetGroup = channel.unary_unary(
                 '/etude.v1.ReconcilerService/GetGroup',
                 request_serializer=etude_dot_v1_dot_reconciler__pb2.GetGroupRequest.SerializeToString,
@@ -162,6 +167,17 @@ class ReconcilerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReturnGroups(self, request, context):
+        """Hand back groups a consumer pulled but cannot train, naming the slots whose rollout
+        record failed to load or to pass the trainer's checks: each such slot runs again
+        (retryable) or is dead with the reason, and its group is handed out again once it
+        settles (or dropped when too few of its slots completed). The consumer trains the
+        rest of its step; a bad record never stops training.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetGroup(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -237,6 +253,11 @@ def add_ReconcilerServiceServicer_to_server(servicer, server):
                     servicer.CommitBatch,
                     request_deserializer=etude_dot_v1_dot_reconciler__pb2.CommitBatchRequest.FromString,
                     response_serializer=etude_dot_v1_dot_reconciler__pb2.CommitBatchResponse.SerializeToString,
+            ),
+            'ReturnGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReturnGroups,
+                    request_deserializer=etude_dot_v1_dot_reconciler__pb2.ReturnGroupsRequest.FromString,
+                    response_serializer=etude_dot_v1_dot_reconciler__pb2.ReturnGroupsResponse.SerializeToString,
             ),
             'GetGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.GetGroup,
@@ -480,6 +501,33 @@ class ReconcilerService:
             '/etude.v1.ReconcilerService/CommitBatch',
             etude_dot_v1_dot_reconciler__pb2.CommitBatchRequest.SerializeToString,
             etude_dot_v1_dot_reconciler__pb2.CommitBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReturnGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/etude.v1.ReconcilerService/ReturnGroups',
+            etude_dot_v1_dot_reconciler__pb2.ReturnGroupsRequest.SerializeToString,
+            etude_dot_v1_dot_reconciler__pb2.ReturnGroupsResponse.FromString,
             options,
             channel_credentials,
             insecure,

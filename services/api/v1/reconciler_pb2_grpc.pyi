@@ -52,6 +52,13 @@ class ReconcilerServiceStub:
     """Move ready groups to "consumed" by (consumer_id, step), atomically."""
     CommitBatch: _grpc.UnaryUnaryMultiCallable[_reconciler_pb2.CommitBatchRequest, _reconciler_pb2.CommitBatchResponse]
     """Mark the groups consumed by consumer_id up to step as trained; they never come back."""
+    ReturnGroups: _grpc.UnaryUnaryMultiCallable[_reconciler_pb2.ReturnGroupsRequest, _reconciler_pb2.ReturnGroupsResponse]
+    """Hand back groups a consumer pulled but cannot train, naming the slots whose rollout
+    record failed to load or to pass the trainer's checks: each such slot runs again
+    (retryable) or is dead with the reason, and its group is handed out again once it
+    settles (or dropped when too few of its slots completed). The consumer trains the
+    rest of its step; a bad record never stops training.
+    """
     GetGroup: _grpc.UnaryUnaryMultiCallable[_reconciler_pb2.GetGroupRequest, _reconciler_pb2.GetGroupResponse]
     WatchGroups: _grpc.UnaryStreamMultiCallable[_reconciler_pb2.WatchGroupsRequest, _reconciler_pb2.GroupEvent]
     """Server stream of state changes of the given groups (the futures API's transport)."""
@@ -82,6 +89,13 @@ class ReconcilerServiceAsyncStub(ReconcilerServiceStub):
     """Move ready groups to "consumed" by (consumer_id, step), atomically."""
     CommitBatch: _aio.UnaryUnaryMultiCallable[_reconciler_pb2.CommitBatchRequest, _reconciler_pb2.CommitBatchResponse]  # type: ignore[assignment]
     """Mark the groups consumed by consumer_id up to step as trained; they never come back."""
+    ReturnGroups: _aio.UnaryUnaryMultiCallable[_reconciler_pb2.ReturnGroupsRequest, _reconciler_pb2.ReturnGroupsResponse]  # type: ignore[assignment]
+    """Hand back groups a consumer pulled but cannot train, naming the slots whose rollout
+    record failed to load or to pass the trainer's checks: each such slot runs again
+    (retryable) or is dead with the reason, and its group is handed out again once it
+    settles (or dropped when too few of its slots completed). The consumer trains the
+    rest of its step; a bad record never stops training.
+    """
     GetGroup: _aio.UnaryUnaryMultiCallable[_reconciler_pb2.GetGroupRequest, _reconciler_pb2.GetGroupResponse]  # type: ignore[assignment]
     WatchGroups: _aio.UnaryStreamMultiCallable[_reconciler_pb2.WatchGroupsRequest, _reconciler_pb2.GroupEvent]  # type: ignore[assignment]
     """Server stream of state changes of the given groups (the futures API's transport)."""
@@ -157,6 +171,19 @@ class ReconcilerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_reconciler_pb2.CommitBatchResponse, _abc.Awaitable[_reconciler_pb2.CommitBatchResponse]]:
         """Mark the groups consumed by consumer_id up to step as trained; they never come back."""
+
+    @_abc_1.abstractmethod
+    def ReturnGroups(
+        self,
+        request: _reconciler_pb2.ReturnGroupsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_reconciler_pb2.ReturnGroupsResponse, _abc.Awaitable[_reconciler_pb2.ReturnGroupsResponse]]:
+        """Hand back groups a consumer pulled but cannot train, naming the slots whose rollout
+        record failed to load or to pass the trainer's checks: each such slot runs again
+        (retryable) or is dead with the reason, and its group is handed out again once it
+        settles (or dropped when too few of its slots completed). The consumer trains the
+        rest of its step; a bad record never stops training.
+        """
 
     @_abc_1.abstractmethod
     def GetGroup(
