@@ -19,23 +19,26 @@ Routes are those of sampling time. Each call asks inference only for the rows th
 segment does not hold yet (``routes_from``): a position's row is the routing of the
 forward that first computed it -- for a generated token, the decode step that fed it
 back; for a prompt or tool-output token, the prefill that first ran it (or, on a prefix
-cache hit, the prefill that filled that cache block). A later call's re-prefill of an
-earlier turn (after a cache eviction, or after a weight update, since the prefix cache
-is keyed by version) is never kept. So the trainer replays, for every generated token,
-the routes of the very forward that sampled it, under the version whose logprob it
-recorded: the row of a trained token's input position comes from the step that produced
-the token's behaviour logprob. Tool-output tokens are never trained on, but later tokens
-attend to them: their rows are the next call's prefill's, under the version serving that
-call. Across a weight update, the rows before it keep the older version and the rows
-after it carry the newer one, as the version spans of the tokens they sampled do.
+cache hit, the prefill that filled that cache block). Every call reuses only prefix-cache
+blocks written under the rollout's first call's version (``cache_version``), so a later
+turn attends to the KV its own earlier turns wrote even after a weight update: each
+position is encoded, and routed, once, and the rows replayed are the ones every later
+token attended to. A later call's recomputation of an earlier position (the unfinished
+last cache block, or a block the cache evicted) is never kept. So the trainer replays,
+for every generated token, the routes of the very forward that sampled it, under the
+version whose logprob it recorded: the row of a trained token's input position comes
+from the step that produced the token's behaviour logprob. Tool-output tokens are never
+trained on, but later tokens attend to them: their rows are the next call's prefill's,
+under the version serving that call. Across a weight update, the rows before it keep
+the older version and the rows after it carry the newer one, as the version spans of
+the tokens they sampled do.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -69,8 +72,18 @@ class Generation:
     num_cached_tokens: int = 0  # prompt tokens inference served from its prefix cache
 
 
-# (prompt token ids, max tokens, stop token ids, routes_from) -> Generation
-GenerateFn = Callable[[list[int], int, list[int], int], Awaitable[Generation]]
+class GenerateFn(Protocol):
+    """One inference call: routes from prompt position ``routes_from`` on, reusing only
+    prefix-cache blocks written under ``cache_version`` (None: the serving version)."""
+
+    async def __call__(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        stop: list[int],
+        routes_from: int = 0,
+        cache_version: int | None = None,
+    ) -> Generation: ...
 
 
 @dataclass
@@ -181,6 +194,7 @@ class Harness:
         self.tokenizer = tokenizer
         self.config = config
         self.special = special_token_ids()
+        self._cache_version: int | None = None
 
     def _ids(self, *pieces: str) -> list[int]:
         """Special tokens by name, other text tokenized with special strings split."""
@@ -205,8 +219,15 @@ class Harness:
             )
         return ids + self._ids("<|end_of_turn|>", "<|assistant|>")
 
+    def _keep_cache_version(self, generation: Generation) -> None:
+        """The rollout's prefix-cache version: its first call's policy version, so its later
+        turns reuse its own KV (and keep one routing per position) across weight updates."""
+        if self._cache_version is None and generation.version_spans:
+            self._cache_version = generation.version_spans[0][0]
+
     async def run(self, task: common_pb2.Task, tools: Tools) -> RolloutResult:
         """Generations and tool calls until a final message, `finish` or a budget."""
+        self._cache_version = None
         config = self.config
         stop = [self.special["<|end_of_turn|>"], self.special["<|endoftext|>"]]
         segments: list[SegmentBuilder] = []
@@ -236,7 +257,10 @@ class Harness:
             budget = min(
                 config.max_tokens_per_turn, config.max_total_tokens - generated_total, room
             )
-            generation = await self.generate(segment.token_ids, budget, stop, segment.num_routed)
+            generation = await self.generate(
+                segment.token_ids, budget, stop, segment.num_routed, self._cache_version
+            )
+            self._keep_cache_version(generation)
             segment.add_generated(generation)
             generated_total += len(generation.token_ids)
             stats.num_turns += 1
@@ -306,7 +330,9 @@ class Harness:
             self.config.summary_tokens,
             [*stop, self.special["<|/summary|>"]],
             segment.num_routed,
+            self._cache_version,
         )
+        self._keep_cache_version(generation)
         segment.add_generated(generation)
         segment.kind = common_pb2.SEGMENT_KIND_SUMMARY
         stats.num_summaries += 1

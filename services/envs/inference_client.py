@@ -41,10 +41,16 @@ class InferenceGenerator:
         self.calls = 0
 
     async def __call__(
-        self, prompt: list[int], max_tokens: int, stop: list[int], routes_from: int = 0
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        stop: list[int],
+        routes_from: int = 0,
+        cache_version: int | None = None,
     ) -> Generation:
         """One generation; its routing starts at prompt position ``routes_from`` (the
-        caller holds the rows before it)."""
+        caller holds the rows before it); it reuses prefix-cache blocks written under
+        ``cache_version`` (the rollout's first call's version; None: the serving one)."""
         self.calls += 1
         sampling = inference_pb2.SamplingParams(
             temperature=self.temperature, max_tokens=max_tokens, stop_token_ids=stop
@@ -57,6 +63,8 @@ class InferenceGenerator:
             return_routed_experts=True,
             routed_experts_from=routes_from,
         )
+        if cache_version is not None:
+            request.prefix_cache_version = cache_version
         return await retrying(lambda: self._generate(request), self.retry, "inference Generate")
 
     async def _generate(self, request: inference_pb2.GenerateRequest) -> Generation:

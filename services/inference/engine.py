@@ -15,10 +15,12 @@ with capture. A request returns the rows from ``routed_experts_from`` on: a mult
 caller holds its earlier turns' rows already, so the bytes of a rollout grow with its
 tokens, not with turns x context.
 
-The prefix cache is keyed by policy version (vLLM's ``cache_salt``): a request only
-reuses KV blocks written by requests admitted under the same version, so no request
-attends to a cached prefix that an older version encoded (a request running across an
-update keeps its own KV, as vLLM's in-flight update does).
+The prefix cache is keyed by policy version (vLLM's ``cache_salt``): a request reuses
+only KV blocks written under its cache version -- by default the version serving when it
+is admitted, so a new rollout never attends to a prefix an older version encoded. A
+rollout passes the version of its first call (``prefix_cache_version``), so its later
+turns reuse its own KV across an update, as a request running across one keeps its KV
+(vLLM's in-flight update): every position is encoded, and routed, once.
 """
 
 from __future__ import annotations
@@ -189,11 +191,14 @@ class Engine:
         *,
         return_routed_experts: bool = False,
         routed_experts_from: int = 0,
+        prefix_cache_version: int | None = None,
     ) -> AsyncIterator[Chunk]:
         """Streams the output of one request; aborts it in the engine if the caller goes away.
 
         With ``return_routed_experts`` the last chunk carries the routes of positions
-        ``routed_experts_from`` (at most the prompt's length) and on.
+        ``routed_experts_from`` (at most the prompt's length) and on. The request reuses
+        prefix-cache blocks written under ``prefix_cache_version`` (default: the version
+        serving now).
         """
         from vllm.inputs import TokensPrompt
 
@@ -211,9 +216,10 @@ class Engine:
         finished = False
         self.num_in_flight += 1
         try:
-            prompt = TokensPrompt(
-                prompt_token_ids=prompt_token_ids, cache_salt=f"v{self.serving_version}"
+            cache_version = (
+                self.serving_version if prefix_cache_version is None else prefix_cache_version
             )
+            prompt = TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=f"v{cache_version}")
             stream = self._llm.generate(prompt, sampling, request_id)
             async for output in stream:
                 completion = output.outputs[0]

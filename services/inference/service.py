@@ -86,6 +86,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             request.request_id or None,
             return_routed_experts=request.return_routed_experts,
             routed_experts_from=request.routed_experts_from,
+            prefix_cache_version=(
+                request.prefix_cache_version if request.HasField("prefix_cache_version") else None
+            ),
         )
         async for chunk in chunks:
             metrics.GENERATED_TOKENS.inc(len(chunk.token_ids))

@@ -25,25 +25,25 @@ _sym_db = _symbol_database.Default()
 from services.api.v1 import common_pb2 as etude_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65tude/v1/inference.proto\x12\x08\x65tude.v1\x1a\x15\x65tude/v1/common.proto\"\xb3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\rB\x07\n\x05_seed\"\xa7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.etude.v1.SamplingParams\x12\x1d\n\x15return_routed_experts\x18\x04 \x01(\x08\x12\x1b\n\x13routed_experts_from\x18\x05 \x01(\r\"\xaf\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\x0erouted_experts\x18\x03 \x01(\x0b\x32\x17.etude.v1.RoutedExperts\x12,\n\rversion_spans\x18\x04 \x03(\x0b\x32\x15.etude.v1.VersionSpan\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.etude.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x0e\n\x06offset\x18\x07 \x01(\r\x12\x1c\n\x14routed_experts_start\x18\t \x01(\r\x12\x19\n\x11num_cached_tokens\x18\n \x01(\rJ\x04\x08\x08\x10\t\"B\n\x15NotifyVersionResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x17\n\x0fserving_version\x18\x02 \x01(\x04\"\xdb\x01\n\x17InferenceStatusResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.etude.v1.ServiceInfo\x12\x17\n\x0fserving_version\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x1e\n\x16routed_experts_capture\x18\x06 \x01(\x08\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf1\x01\n\x10InferenceService\x12\x43\n\x08Generate\x12\x19.etude.v1.GenerateRequest\x1a\x1a.etude.v1.GenerateResponse0\x01\x12O\n\rNotifyVersion\x12\x1d.etude.v1.PolicyVersionNotice\x1a\x1f.etude.v1.NotifyVersionResponse\x12G\n\tGetStatus\x12\x17.etude.v1.StatusRequest\x1a!.etude.v1.InferenceStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65tude/v1/inference.proto\x12\x08\x65tude.v1\x1a\x15\x65tude/v1/common.proto\"\xb3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\rB\x07\n\x05_seed\"\xe3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.etude.v1.SamplingParams\x12\x1d\n\x15return_routed_experts\x18\x04 \x01(\x08\x12\x1b\n\x13routed_experts_from\x18\x05 \x01(\r\x12!\n\x14prefix_cache_version\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x17\n\x15_prefix_cache_version\"\xaf\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\x0erouted_experts\x18\x03 \x01(\x0b\x32\x17.etude.v1.RoutedExperts\x12,\n\rversion_spans\x18\x04 \x03(\x0b\x32\x15.etude.v1.VersionSpan\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.etude.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x0e\n\x06offset\x18\x07 \x01(\r\x12\x1c\n\x14routed_experts_start\x18\t \x01(\r\x12\x19\n\x11num_cached_tokens\x18\n \x01(\rJ\x04\x08\x08\x10\t\"B\n\x15NotifyVersionResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x17\n\x0fserving_version\x18\x02 \x01(\x04\"\xdb\x01\n\x17InferenceStatusResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.etude.v1.ServiceInfo\x12\x17\n\x0fserving_version\x18\x02 \x01(\x04\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x1e\n\x16routed_experts_capture\x18\x06 \x01(\x08\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf1\x01\n\x10InferenceService\x12\x43\n\x08Generate\x12\x19.etude.v1.GenerateRequest\x1a\x1a.etude.v1.GenerateResponse0\x01\x12O\n\rNotifyVersion\x12\x1d.etude.v1.PolicyVersionNotice\x1a\x1f.etude.v1.NotifyVersionResponse\x12G\n\tGetStatus\x12\x17.etude.v1.StatusRequest\x1a!.etude.v1.InferenceStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'services.api.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1009
-  _globals['_FINISHREASON']._serialized_end=1129
+  _globals['_FINISHREASON']._serialized_start=1069
+  _globals['_FINISHREASON']._serialized_end=1189
   _globals['_SAMPLINGPARAMS']._serialized_start=62
   _globals['_SAMPLINGPARAMS']._serialized_end=241
   _globals['_GENERATEREQUEST']._serialized_start=244
-  _globals['_GENERATEREQUEST']._serialized_end=411
-  _globals['_GENERATERESPONSE']._serialized_start=414
-  _globals['_GENERATERESPONSE']._serialized_end=717
-  _globals['_NOTIFYVERSIONRESPONSE']._serialized_start=719
-  _globals['_NOTIFYVERSIONRESPONSE']._serialized_end=785
-  _globals['_INFERENCESTATUSRESPONSE']._serialized_start=788
-  _globals['_INFERENCESTATUSRESPONSE']._serialized_end=1007
-  _globals['_INFERENCESERVICE']._serialized_start=1132
-  _globals['_INFERENCESERVICE']._serialized_end=1373
+  _globals['_GENERATEREQUEST']._serialized_end=471
+  _globals['_GENERATERESPONSE']._serialized_start=474
+  _globals['_GENERATERESPONSE']._serialized_end=777
+  _globals['_NOTIFYVERSIONRESPONSE']._serialized_start=779
+  _globals['_NOTIFYVERSIONRESPONSE']._serialized_end=845
+  _globals['_INFERENCESTATUSRESPONSE']._serialized_start=848
+  _globals['_INFERENCESTATUSRESPONSE']._serialized_end=1067
+  _globals['_INFERENCESERVICE']._serialized_start=1192
+  _globals['_INFERENCESERVICE']._serialized_end=1433
 # @@protoc_insertion_point(module_scope)

@@ -100,6 +100,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     RETURN_ROUTED_EXPERTS_FIELD_NUMBER: _builtins.int
     ROUTED_EXPERTS_FROM_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_VERSION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id, used for logs, tracing and aborts; generated when empty."""
     return_routed_experts: _builtins.bool
@@ -107,6 +108,11 @@ class GenerateRequest(_message.Message):
     routed_experts_from: _builtins.int
     """The caller already holds the routed experts of prompt positions before this one
     (from its earlier turns): the answer's table starts here. At most the prompt's length.
+    """
+    prefix_cache_version: _builtins.int
+    """Reuse only prefix-cache blocks written under this policy version: a rollout passes the
+    version of its first call, so its later turns reuse its own KV across weight updates
+    (each position encoded, and routed, once). Unset: the version serving now.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -122,12 +128,15 @@ class GenerateRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         return_routed_experts: _builtins.bool = ...,
         routed_experts_from: _builtins.int = ...,
+        prefix_cache_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_version", b"_prefix_cache_version", "prefix_cache_version", b"prefix_cache_version", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "return_routed_experts", b"return_routed_experts", "routed_experts_from", b"routed_experts_from", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_version", b"_prefix_cache_version", "prefix_cache_version", b"prefix_cache_version", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "return_routed_experts", b"return_routed_experts", "routed_experts_from", b"routed_experts_from", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__prefix_cache_version: _TypeAlias = _typing.Literal["prefix_cache_version"]  # noqa: Y015
+    _WhichOneofArgType__prefix_cache_version: _TypeAlias = _typing.Literal["_prefix_cache_version", b"_prefix_cache_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prefix_cache_version) -> _WhichOneofReturnType__prefix_cache_version | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
