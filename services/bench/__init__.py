@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "quant": "services.bench.quant:run",
     "reconciler": "services.bench.reconciler:run",
     "replay": "services.bench.replay:run",
+    "trainer": "services.bench.trainer:run",
     "weight-sync": "services.bench.weight_sync:run",
 }
 

@@ -24,10 +24,12 @@ a fused kernel that plugs in here must use ``div.rn.f32``, not ``div.approx``/``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import ClassVar, Literal
 
 import torch
@@ -43,9 +45,27 @@ Bounds = tuple[tuple[int, int], ...]
 log = logging.getLogger(__name__)
 
 
+_per_expert_loop = False
+
+
+@contextlib.contextmanager
+def per_expert_loop() -> Iterator[None]:
+    """Within the block, expert GEMMs run as one matmul per expert even where
+    ``F.grouped_mm`` runs (the same bits on CPU): the baseline ``etude bench trainer``
+    measures the grouped GEMM against."""
+    global _per_expert_loop
+    previous, _per_expert_loop = _per_expert_loop, True
+    try:
+        yield
+    finally:
+        _per_expert_loop = previous
+
+
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype, num_in: int, num_out: int) -> bool:
     """Whether ``F.grouped_mm`` runs these operands: on CPU any float dtype (torch 2.13);
     on CUDA bf16 on sm_80+ with 16-byte-aligned rows, as its kernels require."""
+    if _per_expert_loop:
+        return False
     if device.type == "cpu":
         return True
     if device.type != "cuda" or dtype != torch.bfloat16 or num_in % 8 or num_out % 8:
