@@ -4,6 +4,9 @@ one rank, and nothing under ``services/trainer/`` imports the trainer's service 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -43,3 +46,20 @@ def test_no_trainer_module_imports_the_service_module() -> None:
             if service in names:
                 importers.append(str(path.relative_to(REPO)))
     assert importers == []
+
+
+def test_an_idle_trainer_lists_checkpoints_without_torch(tmp_path: Path) -> None:
+    """ListCheckpoints of a trainer without a job reads metadata and manifests only: its
+    first answer must not wait seconds for torch to import (the fuzz suite's deadline)."""
+    code = (
+        "import sys\n"
+        "from services.run_config import EtudeConfig\n"
+        "from services.objectstore.factory import open_store\n"
+        "from services.trainer.checkpoint_index import list_checkpoints\n"
+        "import services.trainer.service\n"
+        f"config = EtudeConfig.model_validate({{'run': {{'state_dir': {str(tmp_path)!r}}},"
+        f" 'object_store': {{'url': 'file://{tmp_path}/store'}}}})\n"
+        "assert list_checkpoints(config, open_store(config.object_store)) == []\n"
+        "assert 'torch' not in sys.modules, 'listing imported torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -30,7 +30,6 @@ import random
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,11 +38,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from services.trainer.checkpoint_index import CheckpointInfo, list_local_checkpoints
 from services.trainer.learner import Learner
 from services.trainer.paths import (
     META_FILE,
     checkpoint_config,
-    checkpoint_dirs,
     checkpoint_prefix,
     checkpoint_root,
     checkpoints_in_store,
@@ -55,19 +54,6 @@ if TYPE_CHECKING:
     from services.run_config import EtudeConfig
 
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A complete checkpoint: on disk (``location`` its directory) or in the object store
-    (``location`` its key prefix)."""
-
-    tag: str
-    step: int
-    location: Path | str
-    created_at: float
-    name: str = ""
-    """``step-<n>`` (periodic, pruned) or ``tag-<tag>`` (kept)."""
 
 
 def _no_dist() -> bool:
@@ -220,12 +206,7 @@ class CheckpointStore(Checkpoints):
 
     def list(self) -> list[CheckpointInfo]:
         """Every complete checkpoint, oldest step first."""
-        found = []
-        for path in checkpoint_dirs(self.root):
-            meta = json.loads((path / META_FILE).read_text())
-            step, created_at = int(meta["step"]), meta["created_at"]
-            found.append(CheckpointInfo(meta["tag"], step, path, created_at, path.name))
-        return sorted(found, key=lambda info: (info.step, info.created_at))
+        return list_local_checkpoints(self.root)
 
     def load(self, info: CheckpointInfo, learner: Learner) -> dict[str, Any]:
         """Restores ``learner`` and the RNGs from ``info``; returns the job's state."""

@@ -34,14 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from services.objectstore.base import ObjectNotFound, ObjectStore, sha256_hex
+from services.objectstore.base import ObjectStore, sha256_hex
 from services.trainer.checkpoint import (
-    CheckpointInfo,
     Checkpoints,
     checkpoint_name,
     dcp_call,
@@ -49,42 +47,19 @@ from services.trainer.checkpoint import (
     learner_state,
     restore,
 )
+from services.trainer.checkpoint_index import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointManifest,
+    ShardObjects,
+    list_store_checkpoints,
+    manifest_key,
+    read_checkpoint_manifest,
+)
 from services.trainer.learner import Learner
-from services.trainer.paths import MANIFEST, manifest_names
+from services.trainer.paths import manifest_names
 from services.trainer.runtime import LocalRuntime, TrainerRuntime
 from services.weights.manifest import ObjectEntry
-
-FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint in the object store cannot be read; the message names the object."""
-
-
-class ShardObjects(BaseModel):
-    """The objects one rank stored for a checkpoint."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    shard: int = Field(ge=0)
-    objects: list[ObjectEntry]
-
-
-class CheckpointManifest(BaseModel):
-    """A complete checkpoint: its objects and what the job needs to continue."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    format: int = FORMAT_VERSION
-    name: str
-    tag: str
-    step: int = Field(ge=0)
-    created_at: float
-    attempt: str = Field(description="The save's key prefix under the checkpoint's name.")
-    num_shards: int = Field(ge=1)
-    objects: list[ObjectEntry]
-    job: dict[str, Any]
-    python_rng: list[Any]
 
 
 def _object_name(file_name: str) -> str:
@@ -146,7 +121,7 @@ class ObjectStoreCheckpoints(Checkpoints):
         self.runtime = runtime or LocalRuntime()
 
     def _manifest_key(self, name: str) -> str:
-        return f"{self.prefix}/{name}/{MANIFEST}"
+        return manifest_key(self.prefix, name)
 
     def save(
         self, learner: Learner, job_state: dict[str, Any], *, step: int, tag: str | None = None
@@ -210,27 +185,11 @@ class ObjectStoreCheckpoints(Checkpoints):
 
     def read_manifest(self, name: str) -> CheckpointManifest:
         """The manifest of the checkpoint ``name``; CheckpointError when absent or malformed."""
-        key = self._manifest_key(name)
-        try:
-            manifest = CheckpointManifest.model_validate_json(self.store.get(key))
-        except ObjectNotFound as error:
-            raise CheckpointError(f"{self.store.url}/{key} does not exist") from error
-        except ValidationError as error:
-            raise CheckpointError(f"{key} is not a checkpoint manifest: {error}") from error
-        if manifest.format != FORMAT_VERSION:
-            raise CheckpointError(f"{key}: format {manifest.format}, expected {FORMAT_VERSION}")
-        return manifest
+        return read_checkpoint_manifest(self.store, self.prefix, name)
 
     def list(self) -> list[CheckpointInfo]:
         """Every checkpoint with a manifest, oldest step first."""
-        found = []
-        for name in manifest_names(self.store.list(f"{self.prefix}/"), self.prefix):
-            manifest = self.read_manifest(name)
-            location = f"{self.prefix}/{name}"
-            found.append(
-                CheckpointInfo(manifest.tag, manifest.step, location, manifest.created_at, name)
-            )
-        return sorted(found, key=lambda info: (info.step, info.created_at))
+        return list_store_checkpoints(self.store, self.prefix)
 
     def load(self, info: CheckpointInfo, learner: Learner) -> dict[str, Any]:
         """Restores ``learner`` and the RNGs from ``info`` (collective); returns the job's state."""

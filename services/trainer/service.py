@@ -32,7 +32,7 @@ from services.wire.service import Readiness, Service
 
 if TYPE_CHECKING:
     # torch comes with these: an idle trainer (no job) starts without importing it.
-    from services.trainer.checkpoint import CheckpointInfo
+    from services.trainer.checkpoint_index import CheckpointInfo
     from services.trainer.job import TrainingJob
     from services.trainer.runtime import TrainerRuntime
 
@@ -91,13 +91,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self, request: trainer_pb2.ListCheckpointsRequest, context: aio.ServicerContext
     ) -> trainer_pb2.ListCheckpointsResponse:
         from services.objectstore.factory import open_store
-        from services.trainer.checkpoint import open_checkpoints
+        from services.trainer.checkpoint_index import list_checkpoints
 
         config, job = self._service.config, self._service.job
-        checkpoints = (
-            job.checkpoints if job else open_checkpoints(config, open_store(config.object_store))
-        )
-        infos = await asyncio.to_thread(checkpoints.list)
+        # Without a job, the listing reads metadata and manifests only: an idle trainer
+        # imports no torch, and the first call must not wait for it.
+        if job:
+            infos = await asyncio.to_thread(job.checkpoints.list)
+        else:
+            store = open_store(config.object_store)
+            infos = await asyncio.to_thread(list_checkpoints, config, store)
         return trainer_pb2.ListCheckpointsResponse(
             checkpoints=[_checkpoint_message(i) for i in infos]
         )
