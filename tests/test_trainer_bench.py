@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.bench import replay_turns
 from services.bench.replay import (
     MODEL_DIR_VARIABLE,
     SHAPE_VARIABLE,
@@ -114,6 +115,32 @@ def test_bench_replay_contract(figures: dict[str, float], fused_figures: dict[st
     fused_ratio = fused["mismatch_without_replay"] / fused["mismatch_with_replay"]
     assert answer["figures"]["mismatch_ratio_fused"] == pytest.approx(fused_ratio)
     assert answer["figures"]["mismatch_with_replay_fused"] == fused["mismatch_with_replay"]
+
+
+def test_bench_replay_multi_turn_workload_spans_an_update_with_stitched_routes(
+    served: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The multi-turn workload's rollouts: tokens of both versions, a stitched table with a
+    row for every token but the last, each row sent once; its figures in the answer."""
+    model_dir = served[0]
+    model_dirs, rollouts = replay_turns.collect(model_dir, tmp_path, quick=True)
+    assert len(model_dirs) == 2 and model_dirs[min(model_dirs)] == model_dir
+    for rollout in rollouts:
+        versions = rollout["versions"]
+        assert set(versions[versions >= 0].tolist()) == set(model_dirs)
+        assert rollout["routes"].shape == (len(rollout["tokens"]) - 1, 2, 2)
+        assert rollout["last_call_routes"].shape == rollout["routes"].shape
+    figures = replay_turns.measure(model_dirs, rollouts)
+    assert figures["multiturn_generated_tokens"] == 4 * replay_turns.NUM_TURNS * 16
+    assert all(math.isfinite(value) and value >= 0 for value in figures.values())
+    # Three turns: the whole context every call would have sent about twice the bytes.
+    assert figures["multiturn_routing_bytes_whole_context_ratio"] > 1.5
+    single = {"mismatch_without_replay": 0.04, "mismatch_with_replay": 0.004}
+    for multiturn_ratio, ok in ((12.0, True), (8.0, False)):
+        answer = result(
+            single, quick=True, multiturn={**figures, "multiturn_ratio": multiturn_ratio}
+        )
+        assert answer.ok == ok and answer.figures["multiturn_ratio"] == multiturn_ratio
 
 
 def test_bench_replay_shape_keeps_tiny_width_and_names_the_variable_when_wrong() -> None:
