@@ -189,6 +189,19 @@ def test_balanced_services_are_reached_through_a_headless_service(component: str
     assert f'{component} = "dns:///{name}-headless:{port}"' in toml
 
 
+def test_inference_drains_generations_within_the_pods_grace(tmp_path: Path) -> None:
+    from services.run_config import load_config
+
+    manifests = render({})
+    path = tmp_path / "config.toml"
+    path.write_text(chart_check.find(manifests, "ConfigMap", "etude-config")["data"]["config.toml"])
+    config = load_config(path, environ={"ETUDE_AUTH__TOKEN": "t"})
+    pod = chart_check.find(manifests, "Deployment", "etude-inference")["spec"]["template"]
+    # Generations in flight at a scale-down get most of the pod's grace, not the 10 s default.
+    assert config.inference.grpc.shutdown_grace_s == 75
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 90
+
+
 def test_headless_names_stay_dns_labels_for_long_release_names() -> None:
     manifests = render({"fullnameOverride": "x" * 60})
     names = {m["metadata"]["name"] for m in manifests if m["kind"] == "Service"}
