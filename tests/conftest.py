@@ -24,6 +24,37 @@ from tests.objectstore_support import CREDENTIALS, MIN_PART
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789"
 
+# Fixtures that start a vLLM engine or the whole deployment (a minute or more on 2 cores):
+# a test that uses one is `slow`, so `pytest -m "not slow"` is the fast tier.
+ENGINE_FIXTURES = frozenset({"deployment", "replica", "replicas", "served", "pipeline"})
+# Fixtures whose processes need Redis (the deployment's and the evals pipeline's reconciler).
+REDIS_FIXTURES = frozenset({"deployment", "pipeline"})
+# Modules whose functions start a reconciler or a redis-server.
+REDIS_HELPERS = frozenset({"tests.reconciler_support", "services.launcher.redis_server"})
+
+
+def _talks_to_redis(item: pytest.Item) -> bool:
+    """A test that uses a Redis-backed fixture, or whose module imports a helper that
+    starts a reconciler or a redis-server, or the redis client (a test that reaches Redis
+    some other way says so with ``@pytest.mark.redis``)."""
+    if REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    module = getattr(item, "module", None)
+    return module is not None and any(
+        getattr(value, "__module__", None) in REDIS_HELPERS
+        or str(getattr(value, "__name__", "")).split(".")[0] == "redis"
+        for value in vars(module).values()
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks the tiers: `slow` for tests on an engine fixture, `redis` for tests on Redis."""
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        if _talks_to_redis(item):
+            item.add_marker(pytest.mark.redis)
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -189,6 +189,7 @@ def test_a_group_split_over_ranks_keeps_the_advantages_computed_before_packing()
     assert any(len(ranks) > 1 for ranks in ranks_of_group.values()), "a group was split"
 
 
+@pytest.mark.slow
 def test_bench_packing_contract() -> None:
     answer = run_bench(True).to_json("packing")
     assert set(answer) >= {"bench", "figures", "baseline", "ok", "target", "details"}

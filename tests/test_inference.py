@@ -541,6 +541,7 @@ def test_bad_input_leaves_the_engine_unharmed(replica: Replica) -> None:
     assert np.all(unpack_routing(chunks[-1].routed_experts) >= 0)
 
 
+@pytest.mark.slow
 def test_in_flight_update_serves_the_new_weights_on_the_small_preset(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

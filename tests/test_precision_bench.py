@@ -11,6 +11,7 @@ import pytest
 from tests.conftest import REPO
 
 
+@pytest.mark.slow
 def test_bench_quant_contract_and_error_figures() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "services.cli", "bench", "quant", "--quick", "--json"],

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.trainer.precision import MoELayer, Precision
+
+# 2 x 200 training steps: a minute or more on 2 busy cores.
+pytestmark = pytest.mark.slow
 
 VOCAB, D_MODEL, D_FF, NUM_EXPERTS, TOP_K = 32, 64, 64, 4, 2
 NUM_STEPS, BATCH = 200, 512

@@ -6,7 +6,7 @@ import pytest
 
 from services.bench import reconciler as bench
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.redis, pytest.mark.slow]
 
 
 def test_quick_run_reports_both_modes_against_ping() -> None:

@@ -193,6 +193,7 @@ def test_the_location_setting(tmp_path: Path) -> None:
         CheckpointConfig(prefix="../up")
 
 
+@pytest.mark.redis
 def test_the_launcher_resumes_from_and_forgets_checkpoints_in_the_store(tmp_path: Path) -> None:
     import secrets
 

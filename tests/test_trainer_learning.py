@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from services.api.v1 import reconciler_pb2
@@ -116,6 +117,7 @@ def _reward(completion: list[int]) -> float:
     return sum(token in TARGET for token in completion) / len(completion)
 
 
+@pytest.mark.slow
 async def test_rl_raises_the_mean_reward(tiny_model: Path, tmp_path: Path) -> None:
     steps, groups_per_step, group_size = 24, 4, 4
     metrics_file = tmp_path / "rl.jsonl"

@@ -242,6 +242,7 @@ def test_prefix_sharing_applies_only_where_each_sequence_is_whole() -> None:
         shard_inputs(shared, 0, 2)
 
 
+@pytest.mark.slow
 def test_bench_prefix_sharing_contract() -> None:
     from services.bench.prefix_sharing import run
 
