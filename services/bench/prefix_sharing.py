@@ -28,10 +28,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from services.bench import BenchResult
+
+if TYPE_CHECKING:
+    from services.trainer.learner import Learner
 
 TARGET_RL_SPEEDUP = 1.5
 NUM_GROUPS, GROUP_SIZE = 8, 4
@@ -60,6 +64,30 @@ def _transcripts(tokenizer: object, num_tasks: int) -> list[tuple[list[int], lis
     return transcripts
 
 
+def small_learner(scratch: Path) -> tuple[Any, Learner]:
+    """The tokenizer and an RL learner (its reference a frozen copy) of a fresh `small`
+    preset model made under ``scratch``: what both trainer benchmarks step."""
+    from tokenizers import Tokenizer
+
+    from services.model_factory.build import init_model
+    from services.trainer.config import JobConfig
+    from services.trainer.learner import Learner
+    from services.trainer.model import load_pretrained, resolve_compute_dtype
+
+    model_dir = scratch / "small"
+    init_model("small", model_dir, seed=0)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    job = JobConfig.model_validate(
+        {
+            "phase": "rl",
+            "optimizer": {"lr": 1e-6},
+            "rl": {"kl_coef": 0.01, "generation_budget_tokens": 512},
+        }
+    )
+    model = load_pretrained(model_dir, dtype=resolve_compute_dtype(job.model.compute_dtype))
+    return tokenizer, Learner(model, job, copy.deepcopy(model).requires_grad_(False))
+
+
 def _best(calls: dict[str, Callable[[], float]], repeats: int) -> dict[str, tuple[float, float]]:
     """Best seconds of each call over ``repeats`` rounds (calls alternate), and its loss."""
     best: dict[str, tuple[float, float]] = {}
@@ -75,34 +103,17 @@ def _best(calls: dict[str, Callable[[], float]], repeats: int) -> dict[str, tupl
 
 def run(quick: bool) -> BenchResult:
     """RL and SFT step seconds with and without prefix sharing, in one process."""
-    from tokenizers import Tokenizer
-
     from services.config import BaseModelConfig
     from services.launcher.base_model import sft_records
-    from services.model_factory.build import init_model
     from services.trainer.batch import RLBatch, pack_microbatch
-    from services.trainer.config import JobConfig
-    from services.trainer.learner import Learner
-    from services.trainer.model import load_pretrained, resolve_compute_dtype
     from services.trainer.rollouts import SegmentTokens
     from services.trainer.sft import ExampleStream, JsonlSource, to_microbatch
 
     torch.set_num_threads(1)
     repeats = 1 if quick else 3
     with tempfile.TemporaryDirectory(prefix="etude-bench-prefix-") as scratch:
-        model_dir = Path(scratch) / "small"
-        init_model("small", model_dir, seed=0)
-        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        job = JobConfig.model_validate(
-            {
-                "phase": "rl",
-                "optimizer": {"lr": 1e-6},
-                "rl": {"kl_coef": 0.01, "generation_budget_tokens": 512},
-            }
-        )
-        dtype = resolve_compute_dtype(job.model.compute_dtype)
-        model = load_pretrained(model_dir, dtype=dtype)
-        learner = Learner(model, job, copy.deepcopy(model).requires_grad_(False))
+        tokenizer, learner = small_learner(Path(scratch))
+        model, dtype = learner.model, learner.model.dtype
         arch = model.arch
 
         transcripts = _transcripts(tokenizer, NUM_GROUPS)

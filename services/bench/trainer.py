@@ -26,7 +26,6 @@ compile, and the best after).
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import json
 import os
@@ -115,16 +114,11 @@ def _best(calls: dict[str, Callable[[], float]], repeats: int) -> dict[str, floa
 
 def run(quick: bool) -> BenchResult:
     """RL and SFT steps of the small preset, the current path against the new one."""
-    from tokenizers import Tokenizer
 
-    from services.bench.prefix_sharing import _transcripts
+    from services.bench.prefix_sharing import _transcripts, small_learner
     from services.config import BaseModelConfig
     from services.launcher.base_model import sft_records
-    from services.model_factory.build import init_model
     from services.trainer.batch import RLBatch, pack_microbatch
-    from services.trainer.config import JobConfig
-    from services.trainer.learner import Learner
-    from services.trainer.model import load_pretrained, resolve_compute_dtype
     from services.trainer.rollouts import SegmentTokens
     from services.trainer.sft import ExampleStream, JsonlSource, to_microbatch
 
@@ -132,19 +126,8 @@ def run(quick: bool) -> BenchResult:
     repeats = 1 if quick else 3
     num_groups = 2 if quick else NUM_GROUPS
     with tempfile.TemporaryDirectory(prefix="etude-bench-trainer-") as scratch:
-        model_dir = Path(scratch) / "small"
-        init_model("small", model_dir, seed=0)
-        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        job = JobConfig.model_validate(
-            {
-                "phase": "rl",
-                "optimizer": {"lr": 1e-6},
-                "rl": {"kl_coef": 0.01, "generation_budget_tokens": 512},
-            }
-        )
-        dtype = resolve_compute_dtype(job.model.compute_dtype)
-        model = load_pretrained(model_dir, dtype=dtype)
-        learner = Learner(model, job, copy.deepcopy(model).requires_grad_(False))
+        tokenizer, learner = small_learner(Path(scratch))
+        model, dtype = learner.model, learner.model.dtype
         arch = model.arch
         items = []
         for group, (ids, generated) in enumerate(_transcripts(tokenizer, num_groups)):
