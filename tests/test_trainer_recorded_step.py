@@ -79,11 +79,12 @@ def rl_items(seed: int) -> list[TrainItem]:
     return items
 
 
-def learner_rl(model_dir: Path) -> dict[str, Any]:
+def learner_rl(model_dir: Path, model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The recorded RL step on the learner; ``model`` adds model settings to the job."""
     job = JobConfig.model_validate(
         {
             "phase": "rl",
-            "model": {"compute_dtype": "float32"},
+            "model": {"compute_dtype": "float32", **(model or {})},
             "optimizer": {"lr": 1e-3, "max_grad_norm": 0.5},
             "rl": {"kl_coef": 0.01, "generation_budget_tokens": 32},
         }
@@ -96,12 +97,13 @@ def learner_rl(model_dir: Path) -> dict[str, Any]:
     return {"metrics": untimed(metrics), "weights": checksum(learner.model)}
 
 
-def learner_sft(model_dir: Path) -> dict[str, Any]:
+def learner_sft(model_dir: Path, model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The recorded SFT step on the learner; ``model`` adds model settings to the job."""
     job = JobConfig.model_validate(
         {
             "phase": "cpt",
             "data": {"kind": "corpus"},
-            "model": {"compute_dtype": "float32"},
+            "model": {"compute_dtype": "float32", **(model or {})},
             "optimizer": {"lr": 1e-3, "warmup_steps": 2},
         }
     )
