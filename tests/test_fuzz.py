@@ -279,26 +279,32 @@ async def _normal_cycle(target: str) -> None:
         assert await client.commit("after-fuzz", 1) == 1
 
 
-def test_fuzz_reconciler(targets: Targets) -> None:
+def _fuzz_every_method(target: str, service: ServiceDescriptor) -> None:
+    """Fuzzes every method of ``service`` at ``target``, reports the figures, and checks
+    that every method was called and none answered UNKNOWN/INTERNAL (``NEVER``)."""
     tally = Tally()
-    service = reconciler_pb2.DESCRIPTOR.services_by_name["ReconcilerService"]
-    fuzz(targets.reconciler.target, service, tally)
-    _report(service.name, tally)
-    assert len(tally.by_method) == len(service.methods)
-    assert not NEVER & {grpc.StatusCode[name] for name in tally.statuses}
-    asyncio.run(_normal_cycle(targets.reconciler.target))
-    log = targets.reconciler.log()
-    assert " ERROR " not in log and "Traceback" not in log, log[-4000:]
-
-
-def test_fuzz_envs(targets: Targets) -> None:
-    tally = Tally()
-    service = envs_pb2.DESCRIPTOR.services_by_name["EnvService"]
-    target, log_path = targets.others["envs"]
     fuzz(target, service, tally)
     _report(service.name, tally)
     assert len(tally.by_method) == len(service.methods)
     assert not NEVER & {grpc.StatusCode[name] for name in tally.statuses}
+
+
+def _assert_no_errors(log: str) -> None:
+    assert " ERROR " not in log and "Traceback" not in log, log[-4000:]
+
+
+def test_fuzz_reconciler(targets: Targets) -> None:
+    service = reconciler_pb2.DESCRIPTOR.services_by_name["ReconcilerService"]
+    _fuzz_every_method(targets.reconciler.target, service)
+    asyncio.run(_normal_cycle(targets.reconciler.target))
+    log = targets.reconciler.log()
+    _assert_no_errors(log)
+
+
+def test_fuzz_envs(targets: Targets) -> None:
+    service = envs_pb2.DESCRIPTOR.services_by_name["EnvService"]
+    target, log_path = targets.others["envs"]
+    _fuzz_every_method(target, service)
     with grpc.insecure_channel(target) as channel:
         stub = envs_pb2_grpc.EnvServiceStub(channel)
         created = stub.CreateWorkspace(
@@ -311,17 +317,13 @@ def test_fuzz_envs(targets: Targets) -> None:
         )
         assert ran.result.exit_code == 0, ran.result
     log = log_path.read_text(errors="replace")
-    assert " ERROR " not in log and "Traceback" not in log, log[-4000:]
+    _assert_no_errors(log)
 
 
 def test_fuzz_evals(targets: Targets) -> None:
-    tally = Tally()
     service = evals_pb2.DESCRIPTOR.services_by_name["EvalsService"]
     target, evals_log = targets.others["evals"]
-    fuzz(target, service, tally)
-    _report(service.name, tally)
-    assert len(tally.by_method) == len(service.methods)
-    assert not NEVER & {grpc.StatusCode[name] for name in tally.statuses}
+    _fuzz_every_method(target, service)
     with grpc.insecure_channel(target) as channel:
         suites = channel.unary_unary(
             f"/{service.full_name}/ListSuites",
@@ -330,7 +332,7 @@ def test_fuzz_evals(targets: Targets) -> None:
         )(evals_pb2.ListSuitesRequest(), metadata=AUTH, timeout=5)
         assert len(suites.suites) > 0
     log = evals_log.read_text(errors="replace")
-    assert " ERROR " not in log and "Traceback" not in log, log[-4000:]
+    _assert_no_errors(log)
 
 
 @pytest.mark.parametrize(
@@ -342,14 +344,10 @@ def test_fuzz_evals(targets: Targets) -> None:
 )
 def test_fuzz_deployment(deployment: Deployment, name: str, service: ServiceDescriptor) -> None:
     """Inference and the trainer of the shared deployment (a vLLM engine is costly to start)."""
-    tally = Tally()
     log_path = deployment.logs[name]
     start = log_path.stat().st_size
-    fuzz(deployment.target(name), service, tally)
-    _report(service.name, tally)
-    assert len(tally.by_method) == len(service.methods)
-    assert not NEVER & {grpc.StatusCode[name] for name in tally.statuses}
+    _fuzz_every_method(deployment.target(name), service)
     with log_path.open("rb") as log:
         log.seek(start)
         written = log.read().decode(errors="replace")
-    assert " ERROR " not in written and "Traceback" not in written, written[-4000:]
+    _assert_no_errors(written)
