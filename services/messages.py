@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from services.api.v1 import common_pb2
 from services.wire.errors import require, require_identifier, require_range
+from services.wire.requests import MAX_EXACT_INT
 
 _SHA256_HEX = re.compile(r"\A[0-9a-f]{64}\Z")
 
@@ -120,6 +121,14 @@ def validate_object_ref(ref: common_pb2.ObjectRef, field: str) -> None:
         f"{field}.sha256",
         "must be 64 lower-case hex digits",
     )
+
+
+def validate_version_notice(notice: common_pb2.PolicyVersionNotice, field: str = "") -> None:
+    """A version in 1..2^53-1 and the object key of its manifest; `field` is the path
+    of the notice in the request ('' when the request is the notice itself)."""
+    prefix = f"{field}." if field else ""
+    require_range(notice.version, f"{prefix}version", 1, MAX_EXACT_INT)
+    require_object_key(notice.manifest_key, f"{prefix}manifest_key")
 
 
 def validate_task(task: common_pb2.Task, field: str) -> None:

@@ -530,7 +530,11 @@ def test_bad_input_leaves_the_engine_unharmed(replica: Replica) -> None:
             assert error.value.details().startswith(field)
         with pytest.raises(grpc.RpcError) as missing:
             stub.NotifyVersion(
-                common_pb2.PolicyVersionNotice(version=99), metadata=AUTH, timeout=30
+                common_pb2.PolicyVersionNotice(
+                    version=99, manifest_key=f"weights/{RUN}/v{99:08d}/manifest.json"
+                ),
+                metadata=AUTH,
+                timeout=30,
             )
         assert (
             missing.value.code() == grpc.StatusCode.NOT_FOUND
