@@ -10,7 +10,6 @@ only once it serves the newest complete version.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,12 +21,13 @@ from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference import metrics, validation
 from services.inference.engine import Engine
 from services.inference.updates import WeightFollower
+from services.messages import validate_version_notice
 from services.objectstore import open_store
 from services.reconciler.client import ReconcilerClient
 from services.run_config import EtudeConfig
 from services.weights.subscriber import WeightSubscriber
 from services.wire.client import Channels
-from services.wire.errors import FailedPrecondition, NotFound, Unavailable, require
+from services.wire.errors import FailedPrecondition, NotFound, Unavailable
 from services.wire.server import run_service
 from services.wire.service import Readiness, Service
 
@@ -117,12 +117,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def NotifyVersion(
         self, request: common_pb2.PolicyVersionNotice, context: aio.ServicerContext
     ) -> inference_pb2.NotifyVersionResponse:
+        validate_version_notice(request)
         follower = self._service.follower
         if follower is None:
             raise FailedPrecondition(
                 "this replica does not follow published weights (inference.follow_weights)"
             )
-        require(request.version >= 0, "version", "must be >= 0")
         serving = self._service.engine.serving_version
         if request.version > serving:
             if not await asyncio.to_thread(follower.is_published, request.version):
@@ -153,11 +153,13 @@ class InferenceService(Service):
 
     name = "inference"
 
-    def __init__(self, config: EtudeConfig, channels: Channels) -> None:
+    def __init__(
+        self, config: EtudeConfig, channels: Channels, engine: Engine | None = None
+    ) -> None:
         super().__init__(config, channels)
-        self.engine = Engine(config.inference.engine)
+        # The vLLM engine of ``inference.engine`` unless one is given (tests).
+        self.engine = engine if engine is not None else Engine(config.inference.engine)
         self.follower: WeightFollower | None = None
-        self._follow_task: asyncio.Task[None] | None = None
         if config.inference.follow_weights:
             subscriber = WeightSubscriber(
                 open_store(config.object_store), config.run.name, config.weights
@@ -176,9 +178,14 @@ class InferenceService(Service):
         if self.follower is not None:
             self.readiness = Readiness(False, "loading the newest published version")
             await self.follower.catch_up()  # a cold replica serves the newest version first
-            client = ReconcilerClient(self.channels.get("reconciler"))
-            notices = client.policy_versions(after_version=self.engine.serving_version)
-            self._follow_task = asyncio.create_task(self.follower.run(notices))
+            self.background.start("weight-follower", self._follow_weights)
+
+    async def _follow_weights(self) -> None:
+        """The follower, on notices from the version served now: run again after a
+        crash, it resubscribes from where the replica is, so no notice is lost."""
+        assert self.follower is not None, "started only when following weights"
+        client = ReconcilerClient(self.channels.get("reconciler"))
+        await self.follower.run(client.policy_versions(after_version=self.engine.serving_version))
 
     async def check_ready(self) -> Readiness:
         if not self.engine.loaded:
@@ -186,10 +193,8 @@ class InferenceService(Service):
         return Readiness(True, f"serving policy version {self.engine.serving_version}")
 
     async def stop(self) -> None:
-        if self._follow_task is not None:
-            self._follow_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._follow_task
+        if self.follower is not None:  # stopped with the background tasks; a load ends
+            await self.follower.wait_idle()
         await self.engine.stop()
 
     def status_fields(self) -> dict[str, str]:

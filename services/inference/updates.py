@@ -5,7 +5,10 @@ store's ``latest`` pointer, reconstructs a version with the weights subscriber (
 thread: generation goes on meanwhile), then has the engine pause with requests kept,
 load, relabel and resume. A replica that fell far behind simply asks for the newest
 version: the subscriber walks its delta chain down to a keyframe. A version that
-fails to load is logged and counted; the replica keeps serving what it has.
+fails to load is logged and counted; the replica keeps serving what it has. Any other
+failure ends ``run``: the service runs it under its supervisor
+(``services.wire.supervise``), which logs it, turns readiness off with the reason and
+runs the follower again, subscribed from the version it serves then.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ class WeightFollower:
         self.engine = engine
         self.subscriber = subscriber
         self._requested: asyncio.Queue[int] = asyncio.Queue()
+        # The newest version any source asked for: a follower run again after a crash
+        # asks for it first, in case the crash lost it.
+        self._newest_wanted = -1
+        self._loading = asyncio.Lock()  # one load at a time, across runs of the follower
         self.last_pause_s = 0.0
         self.last_error = ""
 
@@ -54,8 +61,17 @@ class WeightFollower:
         if latest is not None and latest > self.engine.serving_version:
             await self.update_to(latest)
 
+    async def wait_idle(self) -> None:
+        """Returns once no load is in progress (a stopping service waits for one)."""
+        async with self._loading:
+            pass
+
     async def update_to(self, version: int) -> bool:
         """Loads `version` into the engine; False (logged, counted) when it cannot."""
+        async with self._loading:
+            return await self._load(version)
+
+    async def _load(self, version: int) -> bool:
         if version <= self.engine.serving_version:
             return True
         started = time.perf_counter()
@@ -93,36 +109,49 @@ class WeightFollower:
         return True
 
     async def run(self, notices: AsyncIterator[int] | None) -> None:
-        """Follows versions until cancelled: notices, RPC requests, polling."""
+        """Follows versions until cancelled: notices, RPC requests, polling ``latest``.
 
-        async def merged() -> AsyncIterator[int]:
-            if notices is not None:
-                async for version in notices:
-                    yield version
-            else:
-                await asyncio.Event().wait()
-
-        async def from_requests() -> AsyncIterator[int]:
-            while True:
-                yield await self._requested.get()
-
-        async def feed(source: AsyncIterator[int], queue: asyncio.Queue[int]) -> None:
-            async for version in source:
-                queue.put_nowait(version)
-
+        Raises when any part fails (the notice stream, a ``latest`` pointer that cannot
+        be read, an error loading a version other than the version's own faults), so the
+        service's supervisor logs it, reports it and runs the follower again; the newest
+        version asked for and not yet served is asked for again then, so none is lost.
+        """
         wanted: asyncio.Queue[int] = asyncio.Queue()
-        feeders = [
-            asyncio.create_task(
-                feed(self.subscriber.follow(merged(), after=self.engine.serving_version), wanted)
-            ),
-            asyncio.create_task(feed(from_requests(), wanted)),
-        ]
-        try:
+        if self._newest_wanted > self.engine.serving_version:
+            wanted.put_nowait(self._newest_wanted)
+
+        async def feed(source: AsyncIterator[int]) -> None:
+            async for version in source:
+                self._newest_wanted = max(self._newest_wanted, version)
+                wanted.put_nowait(version)
+
+        async def apply() -> None:
             while True:
                 version = await wanted.get()
                 while not wanted.empty():  # skip to the newest asked for
                     version = max(version, wanted.get_nowait())
-                await self.update_to(version)
+                # A load runs to its end even when this run is cancelled: cut half-way,
+                # the engine could hold the new weights under the old version's label.
+                await asyncio.shield(self.update_to(version))
+
+        async def requested() -> AsyncIterator[int]:
+            while True:
+                yield await self._requested.get()
+
+        parts = {
+            "polling": feed(self.subscriber.follow(after=self.engine.serving_version)),
+            "version requests": feed(requested()),
+            "loading": apply(),
+        }
+        if notices is not None:
+            parts["version notices"] = feed(notices)
+        tasks = [asyncio.create_task(part, name=name) for name, part in parts.items()]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # raises the part's error
+            raise RuntimeError(f"the follower's {', '.join(t.get_name() for t in done)} ended")
         finally:
-            for task in feeders:
+            for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
