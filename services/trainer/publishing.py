@@ -9,14 +9,24 @@ version's manifest is written, rank 0 tells the reconciler (``PublishPolicyVersi
 so inference replicas and evals follow it. A resumed job retrains steps whose versions
 may already be in the store; since resume is exact, those versions are skipped rather
 than written twice.
+
+Nothing here fails silently: a version that cannot be uploaded (after the publisher's
+own tries) is logged with its traceback and reported by ``fault()`` (the trainer's
+readiness turns NOT_SERVING with it) until a later version is published, which
+supersedes it; a notice the reconciler does not take is tried again with backoff until
+it is taken, a newer one is, or ``ANNOUNCE_GIVE_UP_S`` passes, reported meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from concurrent.futures import Future
+
+import grpc
+from grpc import aio
 
 from services.api.v1 import common_pb2
 from services.config import WeightsConfig
@@ -29,6 +39,12 @@ from services.weights.manifest import Layout, read_latest
 from services.weights.publisher import PublishResult, WeightPublisher
 
 log = logging.getLogger(__name__)
+
+# Waits between tries of a notice the reconciler did not take: the first, the longest,
+# and how long a version is tried before it is given up (followers also poll `latest`).
+ANNOUNCE_FIRST_BACKOFF_S = 0.5
+ANNOUNCE_MAX_BACKOFF_S = 30.0
+ANNOUNCE_GIVE_UP_S = 600.0
 
 
 class PolicyPublisher:
@@ -53,8 +69,12 @@ class PolicyPublisher:
         latest = read_latest(store, self.layout)
         self.already_published = -1 if latest is None else latest
         self.last_published_version = max(self.already_published, 0)
+        self.last_announced_version = 0
         self._announcements: set[asyncio.Task[None]] = set()
         self.failures = 0
+        # What is wrong now, by part ("upload", "announce"): (version, reason). A later
+        # version that gets through the same part clears it.
+        self._faults: dict[str, tuple[int, str]] = {}
 
     async def publish(self, model: Qwen3MoE, version: int) -> bool:
         """Starts publishing this rank's shard of ``version`` (collective; waits only to copy
@@ -67,18 +87,42 @@ class PolicyPublisher:
             return False
         tensors = await asyncio.to_thread(self.runtime.served_weights, model)
         future = await asyncio.to_thread(self.publisher.publish, tensors, version)
-        task = asyncio.get_running_loop().create_task(self._announce(version, future))
+        task = asyncio.get_running_loop().create_task(
+            self._announce(version, future), name=f"announce-v{version}"
+        )
         self._announcements.add(task)
-        task.add_done_callback(self._announcements.discard)
+        task.add_done_callback(functools.partial(self._announced, version))
         return True
+
+    def fault(self) -> str | None:
+        """Why the newest versions are not all published and announced (None when they are)."""
+        return next((reason for _, reason in self._faults.values()), None)
+
+    def _report(self, part: str, version: int, reason: str) -> None:
+        self._faults[part] = (version, reason)
+
+    def _clear(self, part: str, version: int) -> None:
+        if part in self._faults and self._faults[part][0] <= version:
+            del self._faults[part]
+
+    def _announced(self, version: int, task: asyncio.Task[None]) -> None:
+        """Reports an announcement that ended on an error it did not expect (a bug)."""
+        self._announcements.discard(task)
+        if task.cancelled() or (error := task.exception()) is None:
+            return
+        log.error("announcing version %d failed", version, exc_info=error)
+        reason = f"announcing version {version} failed: {type(error).__name__}: {error}"
+        self._report("announce", version, reason)
 
     async def _announce(self, version: int, future: Future[PublishResult]) -> None:
         try:
             result = await asyncio.wrap_future(future)
-        except Exception as error:  # the publisher already retried; training goes on
+        except Exception as error:  # the publisher already retried; the next version supersedes it
             self.failures += 1
-            log.error("version %d was not published: %s", version, error)
+            log.error("version %d was not published", version, exc_info=error)
+            self._report("upload", version, f"version {version} was not published: {error}")
             return
+        self._clear("upload", version)
         self.last_published_version = max(self.last_published_version, version)
         metrics.PUBLISHED_VERSION.set(self.last_published_version)
         if self.reconciler is None:
@@ -89,10 +133,38 @@ class PolicyPublisher:
             keyframe=result.keyframe,
             published_at=time.time(),
         )
-        try:
-            await self.reconciler.publish_version(notice)
-        except Exception as error:  # followers also poll `latest`; a lost notice only delays
-            log.warning("could not announce version %d to the reconciler: %s", version, error)
+        await self._tell_reconciler(self.reconciler, notice)
+
+    async def _tell_reconciler(
+        self, reconciler: ReconcilerClient, notice: common_pb2.PolicyVersionNotice
+    ) -> None:
+        """Announces `notice`, with backoff, until it is taken or a newer one is."""
+        version, backoff = notice.version, ANNOUNCE_FIRST_BACKOFF_S
+        give_up_at = time.monotonic() + ANNOUNCE_GIVE_UP_S
+        while self.last_announced_version < version:
+            try:
+                await reconciler.publish_version(notice)
+            except aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.FAILED_PRECONDITION:  # it has a newer one
+                    log.warning("version %d is not announced: %s", version, error.details())
+                    self._clear("announce", version)
+                    return
+                reason = (
+                    f"could not announce version {version} to the reconciler: "
+                    f"{error.code().name}: {error.details()}"
+                )
+            else:
+                self.last_announced_version = max(self.last_announced_version, version)
+                self._clear("announce", version)
+                return
+            self._report("announce", version, reason)
+            if time.monotonic() + backoff > give_up_at:
+                log.error("%s; given up after %.0f s", reason, ANNOUNCE_GIVE_UP_S)
+                return
+            log.warning("%s; trying again in %.1f s", reason, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, ANNOUNCE_MAX_BACKOFF_S)
+        self._clear("announce", version)  # a newer version was announced meanwhile
 
     async def drain(self) -> None:
         """Waits until every started version is published and announced."""

@@ -149,9 +149,9 @@ class TrainerService(Service):
         from services.trainer.job import TrainingJob
 
         rl = self.phase == "rl" and runtime.is_leader
-        reconciler = ReconcilerClient(self.channels.get("reconciler")) if rl else None
-        store = open_store(self.config.object_store)
-        try:
+        try:  # any failure here is the job's, reported by readiness, never a silent end
+            reconciler = ReconcilerClient(self.channels.get("reconciler")) if rl else None
+            store = open_store(self.config.object_store)
             self.job = await asyncio.to_thread(
                 TrainingJob.build, self.config, store, reconciler, runtime
             )
@@ -165,6 +165,8 @@ class TrainerService(Service):
         state, error = self._job_state()
         if state == "failed":
             return Readiness(False, f"training job failed: {error}")
+        if self.job is not None and (fault := self.job.publisher.fault()) is not None:
+            return Readiness(False, fault)
         return Readiness(True, "ok" if self.runtime is None else f"job {state}")
 
     def _job_state(self) -> tuple[str, str]:

@@ -147,6 +147,11 @@ class WeightPublisher:
                     log.warning(
                         "version %d shard %d, try %d: %s", job.version, self.shard, attempt, error
                     )
+                except Exception as error:  # not worth a retry; the caller hears of it
+                    log.exception("version %d shard %d not published", job.version, self.shard)
+                    metrics.PUBLISH_FAILURES.inc()
+                    job.future.set_exception(error)
+                    break
             else:
                 metrics.PUBLISH_FAILURES.inc()
                 job.future.set_exception(
