@@ -16,13 +16,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
+from services.api.v1 import common_pb2
+from services.config import ObjectStoreConfig
 from services.launcher.observe import read_steps
+from services.objectstore import open_store
 from services.reconciler.store import run_prefix
+from services.trainer.rollouts import fetch_record
 from tests.conftest import REPO, write_config
 from tests.reconciler_support import REDIS_URL
 
@@ -132,6 +138,34 @@ def _kill_group(config: Path, service: str) -> int:
     return pid
 
 
+def _trained_group_ids(steps: Sequence[Mapping[str, Any]]) -> list[str]:
+    return [g for record in steps for g in record["group_ids"]]
+
+
+def _rollouts_spanning_versions(state: Path, run_name: str, group_ids: list[str]) -> int:
+    """Rollouts of the trained groups whose tokens came from more than one version, counted
+    from the records in the store (the version spans of their segments), not from the
+    summaries the envs workers derived from them."""
+    client = redis.Redis.from_url(REDIS_URL)
+    store = open_store(ObjectStoreConfig(url=f"file://{state}/store"))
+    spanning = 0
+    try:
+        prefix = run_prefix(run_name)
+        for group_id in group_ids:
+            k = int(client.hget(f"{prefix}:group:{group_id}", "k") or 0)
+            for index in range(k):
+                raw = client.hget(f"{prefix}:slot:{group_id}/{index}", "rollout")
+                if not isinstance(raw, bytes):  # a slot that died: no rollout
+                    continue
+                summary = common_pb2.RolloutSummary.FromString(raw)
+                record = fetch_record(store, summary.record)
+                versions = {s.version for seg in record.segments for s in seg.version_spans}
+                spanning += len(versions) > 1
+    finally:
+        client.close()
+    return spanning
+
+
 # Four kills and restarts (each service waits for its dependencies again, the trainer
 # resumes from a checkpoint) on top of a whole run: ~11.5 min on a slow 2-core machine,
 # past the suite's 600 s default. The run's own deadline below is what bounds it.
@@ -177,12 +211,16 @@ def test_etude_run_trains_evaluates_reports_and_survives_kills(tmp_path: Path) -
     assert summary["steps"] == MAX_STEPS
     steps = read_steps(metrics_file)
     provenance = [(r["step"], r["staleness"], r["rollout_versions"]) for r in steps]
-    # Inference served several versions, and some rollouts span two of them.
+    # Inference served several versions. Whether a rollout spans two of them depends on
+    # when updates land, which no run controls (a fast machine finishes whole rollouts
+    # between publishes); tests/test_inference.py lands one between two turns on purpose.
+    # Here the count the run reports must be the one the trained records show.
     assert summary["versions_served"] >= 2, summary
-    assert summary["rollouts_spanning_versions"] >= 1, (summary, provenance, output[-3000:])
+    spanning = _rollouts_spanning_versions(state, run_name, _trained_group_ids(steps))
+    assert summary["rollouts_spanning_versions"] == spanning, (summary, provenance)
 
     # Every group trained exactly once: in the trainer's records and in the reconciler.
-    trained = [g for record in steps for g in record["group_ids"]]
+    trained = _trained_group_ids(steps)
     assert len(trained) == len(set(trained)) == summary["groups_trained"] > 0
     assert summary["groups_trained_twice"] == 0
     # A step the restarted trainer did again (after its checkpoint) took the same groups.
