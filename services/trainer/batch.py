@@ -78,6 +78,9 @@ class Microbatch:
     behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
     weights: torch.Tensor
+    # [T] int64: the policy version that generated each target (-1: not generated, or
+    # not known); the step's version lag of a trained token (``services.trainer.offpolicy``).
+    generating_versions: torch.Tensor
     # [T] bool: tokens added only to align sequences for context parallelism or to give
     # an idle rank something to run (never trained); None when there are none.
     padding: torch.Tensor | None = None
@@ -119,6 +122,7 @@ class Microbatch:
             behaviour_logprobs=self.behaviour_logprobs.to(device),
             advantages=self.advantages.to(device),
             weights=self.weights.to(device),
+            generating_versions=self.generating_versions.to(device),
             padding=move(self.padding),
             num_sequence_tokens=self.num_sequence_tokens,
         )
@@ -136,6 +140,9 @@ class RLBatch:
     skipped: Counter[str] = field(default_factory=Counter)
     # Groups whose rollouts all earned the same task reward, skipped or not.
     uniform_task_groups: int = 0
+    # The policy version the step trains from (its weights before the update): the
+    # version lags of its tokens are counted from it.
+    policy_version: int = 0
 
     @property
     def num_trained_tokens(self) -> int:
@@ -238,6 +245,9 @@ def pack_microbatch(
         counts = torch.tensor([len(s.targets) for s in segments])
         return stream(torch.tensor(values, dtype=torch.float32).repeat_interleave(counts))
 
+    versions = [
+        version for s in segments for version in (s.generating_versions or [-1] * len(s.targets))
+    ]
     flags = None
     if padding is not None:
         flags = torch.tensor([flag for item in padding for flag in item], dtype=torch.bool)
@@ -254,6 +264,7 @@ def pack_microbatch(
         ),
         advantages=per_token([advantage for _, advantage, _ in items]),
         weights=per_token([weight for _, _, weight in items]),
+        generating_versions=stream(torch.tensor(versions, dtype=torch.long)),
         padding=None if flags is None else stream(flags),
         num_sequence_tokens=num_sequence_tokens,
     )
@@ -272,8 +283,9 @@ class RLItems:
     # Groups whose rollouts all earned the same task reward, skipped or not.
     uniform_task_groups: int = 0
 
-    def batch(self, microbatches: list[Microbatch]) -> RLBatch:
-        """The ``RLBatch`` of these statistics over ``microbatches``."""
+    def batch(self, microbatches: list[Microbatch], policy_version: int) -> RLBatch:
+        """The ``RLBatch`` of these statistics over ``microbatches``, trained from
+        ``policy_version``."""
         return RLBatch(
             microbatches,
             self.num_rollouts,
@@ -282,6 +294,7 @@ class RLItems:
             self.group_weights,
             self.skipped,
             self.uniform_task_groups,
+            policy_version,
         )
 
 
@@ -352,16 +365,18 @@ def build_rl_batch(
     top_k: int,
     skip_uniform_task_groups: bool = False,
     share_prefixes: bool = False,
+    policy_version: int = 0,
 ) -> RLBatch:
     """Advantages per group, then the trainable segments packed in order into microbatches
     (a group's rollouts side by side, so that with ``share_prefixes`` they share their
-    prompt; ``microbatch_tokens`` counts every sequence whole)."""
+    prompt; ``microbatch_tokens`` counts every sequence whole), trained from
+    ``policy_version``."""
     collected = collect_rl_items(groups, skip_uniform_task_groups=skip_uniform_task_groups)
     microbatches = [
         pack_microbatch(items, num_layers, top_k, share_prefixes=share_prefixes)
         for items in split_in_order(collected.items, microbatch_tokens)
     ]
-    return collected.batch(microbatches)
+    return collected.batch(microbatches, policy_version)
 
 
 def split_in_order(items: Sequence[TrainItem], token_budget: int) -> list[list[TrainItem]]:

@@ -186,9 +186,10 @@ class TrainingJob:
                 continue
             self.state, started = "running", time.perf_counter()
             local = await asyncio.to_thread(self.planner.microbatches, message.part)
-            batch = message.stats.batch(local)
+            batch = message.stats.batch(local, self.policy_version)
             step_metrics = await asyncio.to_thread(self.learner.rl_step, batch, self.step)
             computed = time.perf_counter() - started
+            metrics.export_lags(step_metrics)
             step_metrics |= metrics.batch_metrics(batch, message.num_stale_dropped) | {
                 "groups": float(len(message.group_ids)),
                 "tokens_per_s": step_metrics["tokens"] / max(computed, 1e-9),

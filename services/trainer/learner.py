@@ -25,6 +25,7 @@ from services.trainer.model import (
     resolve_experts_precision,
     token_logprobs,
 )
+from services.trainer.offpolicy import LAG_SUM_NAMES, lag_metrics, lag_sums, max_lag
 from services.trainer.optim import build_optimizers, set_learning_rate
 from services.trainer.runtime import LocalRuntime, TrainerRuntime
 
@@ -138,9 +139,10 @@ class Learner:
                 *("loss_pg", "loss_kl", "loss_mtp"),
                 *("ratio", "clipped", "k1", "entropy", "mismatch"),
                 *("replayed", "tokens", "computed", "trained", *per_layer),
+                *LAG_SUM_NAMES,
             )
         )
-        largest = StepSums(("ratio_max",))
+        largest = StepSums(("ratio_max", "lag_max"))
         self.model.train()
         for local in batch.microbatches:
             microbatch = local.to(self.runtime.device)
@@ -175,6 +177,8 @@ class Learner:
                 sums.add(loss_mtp=float(mtp_loss.detach()))
             loss.backward()
             mismatch = (logprobs.detach() - microbatch.behaviour_logprobs[rows]).abs()
+            versions = microbatch.generating_versions[rows]
+            sums.add(**lag_sums(versions, terms.importance_ratio, batch.policy_version))
             sums.add(
                 loss_pg=float(terms.policy_gradient),
                 loss_kl=float(terms.kl_penalty),
@@ -192,6 +196,8 @@ class Learner:
             if rows.numel():
                 ratio_max = float(terms.importance_ratio.max())
                 largest.values["ratio_max"] = max(largest.values["ratio_max"], ratio_max)
+                lag = max_lag(versions, batch.policy_version)
+                largest.values["lag_max"] = max(largest.values["lag_max"], lag)
         if batch.num_rollouts:
             grad_norm = self._step()
         else:
@@ -201,6 +207,7 @@ class Learner:
                 optimizer.zero_grad(set_to_none=True)
             grad_norm = 0.0
         total = sums.reduced(self.runtime)
+        maxima = largest.reduced(self.runtime, "max")
         replaced = [total[name] for name in per_layer]
         choices = max(total["replayed"] * self.model.arch.top_k, 1)
         trained = total["trained"]
@@ -215,7 +222,7 @@ class Learner:
             "loss_mtp": total["loss_mtp"],
             "kl": mean("k1"),
             "is_ratio_mean": mean("ratio"),
-            "is_ratio_max": largest.reduced(self.runtime, "max")["ratio_max"],
+            "is_ratio_max": maxima["ratio_max"],
             "is_clipped_fraction": mean("clipped"),
             "entropy": mean("entropy"),
             "logprob_mismatch": mean("mismatch"),
@@ -229,7 +236,7 @@ class Learner:
         }
         for layer, count in enumerate(replaced):
             metrics[f"replay_replacement_rate_layer{layer}"] = count / choices
-        return metrics
+        return metrics | lag_metrics(total, maxima["lag_max"])
 
     def sft_step(self, microbatches: Sequence[Microbatch], step: int) -> dict[str, float]:
         """One optimizer step of next-token loss on the trained tokens of ``microbatches``.

@@ -4,12 +4,15 @@ Every scalar of a step (loss parts, KL, importance-ratio statistics, entropy,
 advantages, replay replacement rate, train/inference logprob mismatch, tokens/s, the
 wait/compute/publish split, reward parts) is exported as
 ``etude_trainer_step_metric{name=...}`` and returned in ``GetStatus.metrics``;
-skipped groups and rollouts are counted by reason.
+skipped groups and rollouts are counted by reason. How far off-policy the trained tokens
+were (``services.trainer.offpolicy``) is also exported by version lag, on a bounded label
+set (``LAG_BUCKETS`` and "unknown").
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,12 +34,30 @@ STEP_METRIC = Gauge("etude_trainer_step_metric", "Scalar metrics of the last ste
 SKIPPED = Counter(
     "etude_trainer_skipped_total", "Groups and rollouts left out of training.", ["reason"]
 )
+TRAINED_TOKENS = Counter(
+    "etude_trainer_trained_tokens_total",
+    "Trained tokens by version lag (trainer version - generating version; 3+ is every lag "
+    "of 3 or more; unknown: no version span covers the token, or names a version newer "
+    "than the trainer's).",
+    ["lag"],
+)
+IMPORTANCE_RATIO_BY_LAG = Gauge(
+    "etude_trainer_importance_ratio_by_lag",
+    "Mean importance ratio pi_train / pi_behaviour (before truncation) of the last step's "
+    "trained tokens, by version lag (NaN: the step had no token of that lag).",
+    ["lag"],
+)
 STEP_SECONDS = Histogram(
     "etude_trainer_step_seconds",
     "Time per step by part (wait for data, compute, publish, checkpoint).",
     ["part"],
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 1800),
 )
+
+
+LAG_BUCKETS = ("0", "1", "2", "3+")
+"""Version-lag buckets of trained tokens: the last holds every lag of 3 or more, so the
+metric names and Prometheus labels stay a fixed, small set."""
 
 
 def reward_metrics(rewards: Sequence[common_pb2.RewardParts]) -> dict[str, float]:
@@ -93,6 +114,17 @@ def export(step: int, metrics: Mapping[str, float]) -> None:
     STEP.set(step)
     for name, value in metrics.items():
         STEP_METRIC.labels(name).set(value)
+
+
+def export_lags(metrics: Mapping[str, float]) -> None:
+    """Counts an RL step's trained tokens by version lag and sets its mean importance ratio
+    by lag (``services.trainer.offpolicy.lag_metrics`` names them)."""
+    for bucket in LAG_BUCKETS:
+        num_tokens = metrics[f"tokens_lag{bucket}"]
+        TRAINED_TOKENS.labels(bucket).inc(num_tokens)
+        ratio = metrics[f"is_ratio_mean_lag{bucket}"] if num_tokens else math.nan
+        IMPORTANCE_RATIO_BY_LAG.labels(bucket).set(ratio)
+    TRAINED_TOKENS.labels("unknown").inc(metrics["tokens_lag_unknown"])
 
 
 def append_record(path: Path, record: Mapping[str, Any]) -> None:

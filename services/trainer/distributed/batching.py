@@ -41,12 +41,14 @@ def pad_item(item: TrainItem, cp: int) -> tuple[TrainItem, int]:
     replay = segment.replay
     if replay is not None:  # -1: no recorded routing, the router decides (never trained)
         replay = torch.cat([replay, replay.new_full((extra, *replay.shape[1:]), -1)])
+    versions = segment.generating_versions
     padded = SegmentTokens(
         input_ids=[*segment.input_ids, *[0] * extra],
         targets=[*segment.targets, *[0] * extra],
         trained=[*segment.trained, *[False] * extra],
         behaviour_logprobs=[*segment.behaviour_logprobs, *[0.0] * extra],
         replay=replay,
+        generating_versions=None if versions is None else [*versions, *[-1] * extra],
     )
     return (padded, advantage, weight), extra
 

@@ -106,6 +106,7 @@ def shard_microbatch(microbatch: Microbatch, cp_index: int, cp: int) -> Microbat
         behaviour_logprobs=microbatch.behaviour_logprobs[index],
         advantages=microbatch.advantages[index],
         weights=microbatch.weights[index],
+        generating_versions=microbatch.generating_versions[index],
         padding=padding,
     )
 
