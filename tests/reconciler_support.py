@@ -51,14 +51,15 @@ class ReconcilerProcess:
 
 
 def write_reconciler_config(
-    path: Path, *, run_name: str, redis_url: str, extra: str = ""
+    path: Path, *, run_name: str, redis_url: str, extra: str = "", store_url: str | None = None
 ) -> tuple[int, int]:
     """A config for one reconciler on free ports; `extra` is appended to [reconciler]."""
     grpc_port, http_port = free_ports(2)
     path.write_text(
         f'[run]\nname = "{run_name}"\n'
         f'[redis]\nurl = "{redis_url}"\n'
-        "[reconciler]\n"
+        + (f'[object_store]\nurl = "{store_url}"\n' if store_url else "")
+        + "[reconciler]\n"
         "readiness_interval_s = 0.5\n"
         "reap_interval_s = 0.2\n"
         f"{extra}\n"
@@ -70,13 +71,18 @@ def write_reconciler_config(
 
 @contextlib.contextmanager
 def reconciler(
-    tmp_path: Path, *, redis_url: str = REDIS_URL, extra: str = "", run_name: str | None = None
+    tmp_path: Path,
+    *,
+    redis_url: str = REDIS_URL,
+    extra: str = "",
+    run_name: str | None = None,
+    store_url: str | None = None,
 ) -> Iterator[ReconcilerProcess]:
     """A started reconciler on its own run; the run's keys are deleted afterwards."""
     run_name = run_name or f"test-{uuid.uuid4().hex[:10]}"
     config_path = tmp_path / f"reconciler-{run_name}.toml"
     grpc_port, http_port = write_reconciler_config(
-        config_path, run_name=run_name, redis_url=redis_url, extra=extra
+        config_path, run_name=run_name, redis_url=redis_url, extra=extra, store_url=store_url
     )
     server = ReconcilerProcess(
         target=f"127.0.0.1:{grpc_port}",

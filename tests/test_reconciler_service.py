@@ -16,6 +16,8 @@ from google.protobuf import json_format
 from grpc import aio
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.config import ObjectStoreConfig
+from services.objectstore import open_store
 from services.reconciler.client import GroupDropped, GroupFuture, ReconcilerClient
 from services.wire.client import make_channel
 from tests.conftest import TOKEN
@@ -328,16 +330,20 @@ async def work_once(client: ReconcilerClient, count: int) -> None:
             count -= 1
 
 
-def test_feeder_resumes_after_restart_without_duplicates(tmp_path: Path) -> None:
-    tasks_file = tmp_path / "tasks.jsonl"
-    tasks_file.write_text(
-        "\n".join(json_format.MessageToJson(task(f"t-{i}"), indent=None) for i in range(10)) + "\n"
-    )
-    extra = (
-        f'feeder = {{ path = "{tasks_file}", num_samples = 2, '
-        "target_in_flight = 3, interval_s = 0.1 }"
-    )
-    run_name = "test-feeder-" + tmp_path.name[-8:].replace("_", "")
+@pytest.mark.parametrize("source", ["path", "key"])
+def test_feeder_resumes_after_restart_without_duplicates(tmp_path: Path, source: str) -> None:
+    """From a task file, or the same file in the object store (as in a cluster)."""
+    lines = "\n".join(json_format.MessageToJson(task(f"t-{i}"), indent=None) for i in range(10))
+    store_url = f"file://{tmp_path}/store"
+    if source == "path":
+        tasks_file = tmp_path / "tasks.jsonl"
+        tasks_file.write_text(lines + "\n")
+        where = f'path = "{tasks_file}"'
+    else:
+        open_store(ObjectStoreConfig(url=store_url)).put("tasks/train.jsonl", lines.encode())
+        where = 'kind = "jsonl", key = "tasks/train.jsonl"'
+    extra = f"feeder = {{ {where}, num_samples = 2, target_in_flight = 3, interval_s = 0.1 }}"
+    run_name = f"test-feeder-{source}-" + tmp_path.name[-8:].replace("_", "")
     trained: list[str] = []
 
     async def drive(server: ReconcilerProcess, until: int) -> None:
@@ -352,7 +358,7 @@ def test_feeder_resumes_after_restart_without_duplicates(tmp_path: Path) -> None
                         trained.extend(g.task.task_id for g in batch.groups)
                         await client.commit("trainer", step)
 
-    with reconciler(tmp_path, extra=extra, run_name=run_name) as server:
+    with reconciler(tmp_path, extra=extra, run_name=run_name, store_url=store_url) as server:
         asyncio.run(drive(server, 4))
         server.stop()
         server.process = None

@@ -9,8 +9,11 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from google.protobuf import json_format
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.config import ObjectStoreConfig
+from services.objectstore import open_store
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.store import SlotStore
 from services.wire.errors import FailedPrecondition, NotFound
@@ -425,5 +428,17 @@ async def test_feeders_top_up_once_per_task(tmp_path: Any) -> None:
     bad.write_text('{"taskId": "x"}\n')
     with pytest.raises(ValueError, match=r"tasks\.jsonl:1"):
         build_feeder(FeederConfig(path=bad))
+    store = open_store(ObjectStoreConfig(url=f"file://{tmp_path}/store"))
+    good = json_format.MessageToJson(task("ok"), indent=None)
+    store.put("tasks/bad.jsonl", f'\n{good}\n{{"nope": 1}}\n'.encode())
+    with pytest.raises(ValueError, match=r"object tasks/bad\.jsonl:3"):
+        build_feeder(FeederConfig(key="tasks/bad.jsonl"), store)
+    with pytest.raises(ValueError, match="no object store"):
+        build_feeder(FeederConfig(key="tasks/bad.jsonl"))
+    for both_or_neither in ({"path": bad, "key": "tasks/t.jsonl"}, {}):
+        with pytest.raises(ValueError, match="exactly one of path"):
+            FeederConfig(**both_or_neither)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"reconciler\.feeder\.key"):
+        FeederConfig(key="../tasks.jsonl")
     with pytest.raises(ValueError, match="needs generator"):
         FeederConfig(kind="generator")

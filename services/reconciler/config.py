@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig, StrictModel
+from services.messages import require_object_key
 
 
 class FeederConfig(StrictModel):
@@ -18,6 +19,13 @@ class FeederConfig(StrictModel):
     )
     path: Path | None = Field(
         None, description="jsonl: file of Task messages in protobuf JSON, one per line."
+    )
+    key: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="jsonl: the same file as an object-store key (read at start; in a "
+        "cluster, where no pod shares a filesystem with you). Exactly one of path and key.",
     )
     generator: str | None = Field(
         None,
@@ -36,8 +44,13 @@ class FeederConfig(StrictModel):
 
     @model_validator(mode="after")
     def _source(self) -> FeederConfig:
-        if self.kind == "jsonl" and self.path is None:
-            raise ValueError("feeder kind 'jsonl' needs path (got path = None)")
+        if self.kind == "jsonl" and (self.path is None) == (self.key is None):
+            raise ValueError(
+                "feeder kind 'jsonl' needs exactly one of path (a file) and key (an "
+                f"object-store key); got path = {self.path}, key = {self.key}"
+            )
+        if self.key is not None:
+            require_object_key(self.key, "reconciler.feeder.key")
         if self.kind == "generator" and self.generator is None:
             raise ValueError("feeder kind 'generator' needs generator (got generator = None)")
         return self

@@ -14,7 +14,6 @@ import asyncio
 import importlib
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 from google.protobuf import json_format
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -22,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.api.v1 import common_pb2, reconciler_pb2
 from services.messages import validate_task
+from services.objectstore import ObjectStore
 from services.reconciler.config import FeederConfig
 from services.reconciler.store import SlotStore
 
@@ -37,24 +37,36 @@ class TaskFeeder(abc.ABC):
 
 
 class JsonlTaskFeeder(TaskFeeder):
-    """Tasks from a file of protobuf-JSON Task messages, one per line."""
+    """Tasks from a file of protobuf-JSON Task messages, one per line: a local file
+    (``path``) or an object in the store (``key``), read once, whole, when built."""
 
-    def __init__(self, config: FeederConfig) -> None:
-        assert config.path is not None  # the config validator guarantees it
-        path: Path = config.path
-        self.tasks: list[common_pb2.Task] = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                task = json_format.Parse(line, common_pb2.Task())
-                validate_task(task, "task")
-            except (json_format.ParseError, ValueError) as error:
-                raise ValueError(f"{path}:{number}: not a valid Task: {error}") from error
-            self.tasks.append(task)
+    def __init__(self, config: FeederConfig, store: ObjectStore | None = None) -> None:
+        if config.key is not None:
+            if store is None:
+                raise ValueError(f"feeder key {config.key!r}: no object store to read it from")
+            source, text = f"object {config.key}", store.get(config.key).decode()
+        else:
+            assert config.path is not None  # the config validator guarantees one of them
+            source, text = str(config.path), config.path.read_text()
+        self.tasks = parse_tasks(text, source)
 
     def tasks_from(self, position: int, count: int) -> list[common_pb2.Task]:
         return self.tasks[position : position + count]
+
+
+def parse_tasks(text: str, source: str) -> list[common_pb2.Task]:
+    """Every Task of a JSON-lines text (blank lines skipped); a bad line names its number."""
+    tasks = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            task = json_format.Parse(line, common_pb2.Task())
+            validate_task(task, "task")
+        except (json_format.ParseError, ValueError) as error:
+            raise ValueError(f"{source}:{number}: not a valid Task: {error}") from error
+        tasks.append(task)
+    return tasks
 
 
 class GeneratorTaskFeeder(TaskFeeder):
@@ -79,15 +91,11 @@ class GeneratorTaskFeeder(TaskFeeder):
         return tasks
 
 
-FEEDERS: dict[str, Callable[[FeederConfig], TaskFeeder]] = {
-    "jsonl": JsonlTaskFeeder,
-    "generator": GeneratorTaskFeeder,
-}
-
-
-def build_feeder(config: FeederConfig) -> TaskFeeder:
-    """The feeder `config.kind` names."""
-    return FEEDERS[config.kind](config)
+def build_feeder(config: FeederConfig, store: ObjectStore | None = None) -> TaskFeeder:
+    """The feeder `config.kind` names (`store`: where a ``key`` is read from)."""
+    if config.kind == "jsonl":
+        return JsonlTaskFeeder(config, store)
+    return GeneratorTaskFeeder(config)
 
 
 async def top_up(store: SlotStore, feeder: TaskFeeder, config: FeederConfig) -> int:

@@ -18,6 +18,7 @@ import uvloop
 from grpc import aio
 
 from services.api.v1 import common_pb2, reconciler_pb2, reconciler_pb2_grpc
+from services.objectstore import open_store
 from services.reconciler import validation
 from services.reconciler.events import GroupEvents
 from services.reconciler.feeders import build_feeder, run_feeder
@@ -267,11 +268,14 @@ class ReconcilerService(Service):
         self.background.start("group-events", self.events.run)
         feeder_config = self.config.reconciler.feeder
         if feeder_config is not None:
-            feeder = build_feeder(feeder_config)
-            self.background.start(
-                "feeder",
-                lambda: run_feeder(self.store, feeder, feeder_config, self.instance_id),
-            )
+            # Built in the supervised task: a task file the store cannot serve yet is a
+            # fault named on readiness and retried with backoff, not a failed start.
+            async def feed() -> None:
+                store = open_store(self.config.object_store) if feeder_config.key else None
+                feeder = await asyncio.to_thread(build_feeder, feeder_config, store)
+                await run_feeder(self.store, feeder, feeder_config, self.instance_id)
+
+            self.background.start("feeder", feed)
 
     async def _reap_forever(self) -> None:
         """Reaps expired leases and refreshes the metrics snapshot, riding out Redis outages."""
