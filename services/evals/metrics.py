@@ -14,6 +14,11 @@ from services.evals.record import EvalRecord
 
 VERSION = Gauge("etude_evals_version", "Newest policy version scored on the suite.", ["suite"])
 PASS_AT_1 = Gauge("etude_evals_pass_at_1", "pass@1 of the newest scored version.", ["suite"])
+PASS_AT_1_INTERVAL = Gauge(
+    "etude_evals_pass_at_1_interval",
+    "95 % interval of pass@1 (bootstrap over tasks), newest scored version.",
+    ["suite", "bound"],
+)
 PASS_AT_K = Gauge(
     "etude_evals_pass_at_k", "Unbiased pass@k of the newest scored version.", ["suite", "k"]
 )
@@ -34,6 +39,16 @@ FAILURES = Gauge(
 )
 DROPPED_TASKS = Gauge(
     "etude_evals_dropped_tasks", "Tasks left unscored (group dropped), newest version.", ["suite"]
+)
+RETRIED = Gauge(
+    "etude_evals_retried",
+    "Generations asked for again (another version sampled them), newest version.",
+    ["suite"],
+)
+LEFT_OUT = Gauge(
+    "etude_evals_left_out",
+    "Generations left out (not the version's alone after retries), newest version.",
+    ["suite"],
 )
 RUNS = Counter("etude_evals_runs_total", "Evals finished, by outcome.", ["suite", "state"])
 RUNNING = Gauge("etude_evals_running", "Evals in progress in this process.")
@@ -58,6 +73,10 @@ def export(record: EvalRecord) -> None:
     _shown[suite] = (record.policy_version, set(record.failure_reasons))
     VERSION.labels(suite).set(record.policy_version)
     PASS_AT_1.labels(suite).set(record.pass_at_1)
+    interval = record.pass_at_1_interval
+    if interval is not None:
+        PASS_AT_1_INTERVAL.labels(suite, "low").set(interval.low)
+        PASS_AT_1_INTERVAL.labels(suite, "high").set(interval.high)
     for k, value in record.pass_at_k.items():
         PASS_AT_K.labels(suite, str(k)).set(value)
     BEST_OF_K.labels(suite).set(record.best_of_k)
@@ -72,3 +91,5 @@ def export(record: EvalRecord) -> None:
     for reason, count in record.failure_reasons.items():
         FAILURES.labels(suite, reason).set(count)
     DROPPED_TASKS.labels(suite).set(len(record.dropped_tasks))
+    RETRIED.labels(suite).set(record.num_retried)
+    LEFT_OUT.labels(suite).set(record.num_left_out)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from services.evals.record import EvalRecord
+from services.evals.intervals import gain_interval
+from services.evals.record import EvalRecord, Interval
 
 MAX_TASK_TABLE_VERSIONS = 8
 
@@ -28,11 +29,13 @@ Getter = Callable[[EvalRecord], float | None]
 
 @dataclass(frozen=True)
 class Metric:
-    """One plotted metric: file stem, title, and how to read it from a record."""
+    """One plotted metric: file stem, title, how to read it (and its interval) from a
+    record."""
 
     stem: str
     title: str
     value: Getter
+    interval: Callable[[EvalRecord], Interval | None] | None = None
 
 
 def _pass_at(k: int) -> Getter:
@@ -43,7 +46,12 @@ def metrics(records: Mapping[str, Sequence[EvalRecord]]) -> list[Metric]:
     """The metrics plotted: pass@1, pass@k for every k seen, best-of-K, rewards, lengths."""
     ks = sorted({k for rs in records.values() for r in rs for k in r.pass_at_k if k > 1})
     return [
-        Metric("pass_at_1", "pass@1", lambda r: r.pass_at_1),
+        Metric(
+            "pass_at_1",
+            "pass@1 (95 % interval over tasks)",
+            lambda r: r.pass_at_1,
+            lambda r: r.pass_at_1_interval,
+        ),
         *(Metric(f"pass_at_{k}", f"pass@{k} (unbiased)", _pass_at(k)) for k in ks),
         Metric("best_of_k", "best-of-K (best sample's score)", lambda r: r.best_of_k),
         Metric("reward_total", "mean reward (total)", lambda r: r.mean_reward.total),
@@ -66,10 +74,18 @@ def plot(metric: Metric, records: Mapping[str, Sequence[EvalRecord]]) -> bytes:
     figure = Figure(figsize=(6.4, 3.4), dpi=100, layout="constrained")
     axes = figure.add_subplot()
     for suite, suite_records in sorted(records.items()):
-        points = [(r.policy_version, metric.value(r)) for r in suite_records]
-        shown = [(v, y) for v, y in points if y is not None]
-        if shown:
-            axes.plot(*zip(*shown, strict=True), marker="o", label=suite)
+        shown = [(r, y) for r in suite_records if (y := metric.value(r)) is not None]
+        if not shown:
+            continue
+        versions = [r.policy_version for r, _ in shown]
+        values = [y for _, y in shown]
+        intervals = [metric.interval(r) for r, _ in shown] if metric.interval else []
+        if intervals and all(intervals):
+            below = [max(y - i.low, 0.0) for (_, y), i in zip(shown, intervals, strict=True) if i]
+            above = [max(i.high - y, 0.0) for (_, y), i in zip(shown, intervals, strict=True) if i]
+            axes.errorbar(versions, values, yerr=[below, above], marker="o", capsize=3, label=suite)
+        else:
+            axes.plot(versions, values, marker="o", label=suite)
     axes.set_title(metric.title)
     axes.set_xlabel("policy version")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -87,6 +103,12 @@ def _cell(value: object) -> str:
     return html.escape(str(value))
 
 
+def _with_interval(value: float, interval: Interval | None) -> str:
+    if interval is None:
+        return f"{value:.3f}"
+    return f"{value:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{_cell(c)}</td>" for c in row) + "</tr>" for row in rows)
@@ -100,7 +122,7 @@ def _versions_table(records: Sequence[EvalRecord]) -> str:
         "sampled by",
         "tasks",
         "K",
-        "pass@1",
+        "pass@1 [95 %]",
         *(f"pass@{k}" for k in ks),
         "best-of-K",
         "reward",
@@ -110,6 +132,8 @@ def _versions_table(records: Sequence[EvalRecord]) -> str:
         "summaries",
         "failures",
         "dropped",
+        "retried",
+        "left out",
     ]
     rows = []
     for r in sorted(records, key=lambda r: -r.policy_version):
@@ -124,7 +148,7 @@ def _versions_table(records: Sequence[EvalRecord]) -> str:
                 f"v{by.min_version}-v{by.max_version}",
                 r.num_tasks,
                 r.num_samples,
-                r.pass_at_1,
+                _with_interval(r.pass_at_1, r.pass_at_1_interval),
                 *(r.pass_at_k.get(k, "") for k in ks),
                 r.best_of_k,
                 r.mean_reward.total,
@@ -134,9 +158,48 @@ def _versions_table(records: Sequence[EvalRecord]) -> str:
                 r.mean_summaries,
                 failures or "-",
                 len(r.dropped_tasks),
+                r.num_retried,
+                _left_out(r),
             ]
         )
     return _table(header, rows)
+
+
+def _left_out(record: EvalRecord) -> str:
+    if not record.num_left_out:
+        return "0"
+    by = ", ".join(f"{name} {count}" for name, count in sorted(record.left_out_by.items()))
+    return f"{record.num_left_out} ({by})"
+
+
+def gain_line(records: Sequence[EvalRecord]) -> str:
+    """pass@1 of the newest version minus the oldest's, with its 95 % interval."""
+    first = min(records, key=lambda r: r.policy_version)
+    last = max(records, key=lambda r: r.policy_version)
+    if first is last:
+        figure = _with_interval(first.pass_at_1, first.pass_at_1_interval)
+        return f"pass@1 v{first.policy_version}: {figure} (95 %)"
+    gain = 100 * (last.pass_at_1 - first.pass_at_1)
+    interval = gain_interval(first, last)
+    common = len({t.task_id for t in first.tasks} & {t.task_id for t in last.tasks})
+    return (
+        f"pass@1 gain v{first.policy_version} -> v{last.policy_version}: {gain:+.1f} points "
+        f"[{100 * interval.low:+.1f}, {100 * interval.high:+.1f}] (95 %, paired over the "
+        f"{common} tasks both were scored on; v{first.policy_version} {first.num_tasks} tasks "
+        f"x {first.num_samples}, v{last.policy_version} {last.num_tasks} x {last.num_samples})"
+        f"{_half_widths(first, last)}"
+    )
+
+
+def _half_widths(first: EvalRecord, last: EvalRecord) -> str:
+    """The two pass@1 intervals' half-widths (version 0's is meant to be half or less)."""
+    if first.pass_at_1_interval is None or last.pass_at_1_interval is None:
+        return ""
+    return (
+        f"; pass@1 interval half-widths v{first.policy_version} "
+        f"{first.pass_at_1_interval.half_width:.3f}, v{last.policy_version} "
+        f"{last.pass_at_1_interval.half_width:.3f}"
+    )
 
 
 def _tasks_table(records: Sequence[EvalRecord]) -> str:
@@ -181,8 +244,12 @@ def render_html(
         f"<p>Generated {time.strftime('%Y-%m-%d %H:%M:%S %Z')}. "
         "<a href='results.json'>results.json</a> holds every figure below.</p>",
         "<p class='note'>pass@k is the unbiased estimator over K samples per task; best-of-K "
-        "is the mean over tasks of the best sample's grader score. Rollouts may be sampled "
-        "by versions newer than the one evaluated (async RL): 'sampled by' says which.</p>",
+        "is the mean over tasks of the best sample's grader score. The interval of pass@1 "
+        "and of a gain is a 95 % bootstrap over tasks (a gain's paired over the tasks both "
+        "versions have). A version's figures use only the rollouts that version sampled "
+        "alone (inference follows new versions while an eval runs): 'retried' counts the "
+        "rollouts asked for again because an older version sampled them, 'left out' those "
+        "still sampled by other versions (by which), left out of every figure.</p>",
         "<h2>Metrics by policy version</h2>",
         *(
             f"<img src='{html.escape(name)}' alt='{html.escape(alt)}' width='640' height='340'>"
@@ -197,6 +264,7 @@ def render_html(
             f"<h2>{html.escape(suite)}</h2>",
             f"<p>family {html.escape(latest.family)}, {latest.num_tasks} tasks, "
             f"K = {latest.num_samples}</p>",
+            f"<p>{html.escape(gain_line(suite_records))}</p>",
             _versions_table(suite_records),
             f"<h3>{html.escape(suite)}: per task</h3>",
             _tasks_table(suite_records),

@@ -10,10 +10,11 @@ left out of the suite's figures rather than guessed.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from statistics import fmean
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.evals.intervals import mean_interval
 from services.evals.record import EvalRecord, GeneratedBy, RewardMeans, TaskScore, eval_id
 
 TESTS_FAILED = "tests_failed"
@@ -60,8 +61,15 @@ def score(
     is_correct: Callable[[common_pb2.RolloutSummary], bool],
     started_at: float,
     finished_at: float,
+    num_retried: int = 0,
+    left_out_by: Mapping[str, int] | None = None,
+    left_out_tasks: Sequence[str] = (),
 ) -> EvalRecord:
-    """The record of an eval whose ready groups are `groups` (one per task, in order)."""
+    """The record of an eval whose ready groups are `groups` (one per task, in order).
+
+    The groups hold only the samples the version generated alone (``services.evals.
+    versions``); `num_retried`, `left_out_by` and `left_out_tasks` say what that took.
+    """
     rollouts = [r for g in groups for r in g.rollouts]
     sizes = [len(g.rollouts) for g in groups]
     usable_ks = [k for k in ks if sizes and k <= min(sizes)]
@@ -85,6 +93,8 @@ def score(
     for rollout in rollouts:
         parts.update(dict(rollout.reward.behaviour_parts))
     versions = [v for r in rollouts for v in (r.min_policy_version, r.max_policy_version)]
+    pass_rates = [t.num_correct / t.num_samples for t in tasks if t.num_samples]
+    left_out = dict(left_out_by or {})
     return EvalRecord(
         run=run,
         suite=suite,
@@ -97,7 +107,8 @@ def score(
         num_tasks=len(tasks),
         num_samples=num_samples,
         num_rollouts=len(rollouts),
-        pass_at_1=_mean([t.num_correct / t.num_samples for t in tasks if t.num_samples]),
+        pass_at_1=_mean(pass_rates),
+        pass_at_1_interval=mean_interval(pass_rates) if pass_rates else None,
         pass_at_k={k: _mean([t.pass_at_k[k] for t in tasks]) for k in usable_ks},
         best_of_k=_mean([t.best_score for t in tasks]),
         mean_reward=RewardMeans(
@@ -114,6 +125,10 @@ def score(
         failure_reasons=dict(Counter(failure_reason(r) for r in rollouts if not is_correct(r))),
         finish_reasons=dict(Counter(r.finish_reason for r in rollouts)),
         dropped_tasks=list(dropped_tasks),
+        num_retried=num_retried,
+        num_left_out=sum(left_out.values()),
+        left_out_by=left_out,
+        left_out_tasks=list(left_out_tasks),
         tasks=tasks,
         started_at=started_at,
         finished_at=finished_at,
