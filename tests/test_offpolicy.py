@@ -299,3 +299,64 @@ def test_step_records_and_metrics_carry_the_lags(tiny_model: Path, tmp_path: Pat
         assert math.isnan(sample_value("etude_trainer_importance_ratio_by_lag", bucket))
     assert job.metrics["tokens_lag2"] == 24  # GetStatus.metrics and the step-metric gauge
     assert REGISTRY.get_sample_value("etude_trainer_step_metric", {"name": "tokens_lag2"}) == 24
+
+
+def lag_record(step: int, tokens: dict[str, int], ratios: dict[str, float], **more: float) -> dict:
+    record: dict = {"step": step, "version": step, "group_ids": [f"g{step}"], **more}
+    for bucket in ("0", "1", "2", "3+"):
+        record[f"tokens_lag{bucket}"] = float(tokens.get(bucket, 0))
+        record[f"is_ratio_mean_lag{bucket}"] = ratios.get(bucket, 0.0)
+    known = sum(tokens.values())
+    lags = sum(count * (3 if b == "3+" else int(b)) for b, count in tokens.items())
+    record["version_lag_mean"] = lags / known
+    return record
+
+
+def test_summary_and_report_show_tokens_and_ratio_by_lag(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from services.launcher.observe import Snapshot
+    from services.launcher.summary import print_summary, summarize, write_report
+
+    steps = [
+        lag_record(1, {"0": 30, "1": 10}, {"0": 1.0, "1": 0.5}, tokens_lag_unknown=0.0),
+        lag_record(
+            2, {"0": 10, "1": 20, "2": 10}, {"0": 1.5, "1": 0.75, "2": 0.25}, tokens_lag_unknown=4.0
+        ),
+        {"step": 3, "version": 3, "group_ids": ["g3"]},  # a record without lag figures
+    ]
+    shot = Snapshot(taken_at=0.0, steps=steps, evals={})
+    summary = summarize("r", shot, FileObjectStore(tmp_path / "store"))
+    assert summary.tokens_by_lag == {"0": 40, "1": 30, "2": 10, "3+": 0, "unknown": 4}
+    assert summary.is_ratio_by_lag == {"0": 45 / 40, "1": 20 / 30, "2": 0.25}
+    assert summary.version_lag_mean == (40 * 0.25 + 40 * 1.0) / 80
+
+    page = write_report(tmp_path / "report", summary, shot, {})
+    assert (tmp_path / "report" / "offpolicy.png").stat().st_size > 0
+    assert 'src="offpolicy.png"' in page.read_text()
+    saved = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert saved["tokens_by_lag"] == summary.tokens_by_lag
+    assert saved["is_ratio_by_lag"] == summary.is_ratio_by_lag
+    assert saved["version_lag_mean"] == 0.625
+
+    console = Console(width=200, record=True)
+    print_summary(console, summary, None)
+    text = console.export_text()
+    assert "0: 48%  1: 36%  2: 12%  3+: 0%  unknown: 5%  (mean 0.62)" in text
+    assert "0: 1.125  1: 0.667  2: 0.250" in text
+
+
+def test_summary_of_a_run_without_lag_figures_leaves_them_out(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from services.launcher.observe import Snapshot
+    from services.launcher.summary import print_summary, summarize, write_report
+
+    shot = Snapshot(taken_at=0.0, steps=[{"step": 1, "version": 1}], evals={})
+    summary = summarize("r", shot, FileObjectStore(tmp_path / "store"))
+    assert summary.tokens_by_lag == {} and summary.is_ratio_by_lag == {}
+    assert summary.version_lag_mean is None
+    write_report(tmp_path / "report", summary, shot, {})  # an empty plot, not an error
+    console = Console(width=200, record=True)
+    print_summary(console, summary, None)
+    assert "version lag" not in console.export_text()

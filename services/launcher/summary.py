@@ -3,7 +3,8 @@
 ``summarize`` turns the trainer's step records, the eval results and the published
 manifests into one ``RunSummary`` (also ``summary.json``); ``write_report`` writes the
 evals report (HTML + a PNG per metric) with the run's own plots beside it (reward curve,
-staleness histogram) into ``<state_dir>/report``; ``print_summary`` shows it.
+staleness histogram, trained tokens and importance ratio by version lag) into
+``<state_dir>/report``; ``print_summary`` shows it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from services.evals.record import EvalRecord
 from services.evals.report import render
 from services.launcher.observe import Snapshot
 from services.objectstore.base import ObjectStore
+from services.trainer.metrics import LAG_BUCKETS
 from services.weights.manifest import Layout, Manifest
 
 
@@ -77,6 +79,12 @@ class RunSummary:
     # row once, so linear in a rollout's tokens; None without records or routing).
     routing_bytes_per_rollout: float | None = None
     routing_bytes_per_token: float | None = None
+    # Trained tokens by version lag (trainer version - generating version; LAG_BUCKETS, and
+    # "unknown" when some had no version span), their mean importance ratio by lag
+    # (token-weighted over the run, lags with tokens only), and the mean lag.
+    tokens_by_lag: dict[str, int] = field(default_factory=dict)
+    is_ratio_by_lag: dict[str, float] = field(default_factory=dict)
+    version_lag_mean: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -136,6 +144,33 @@ def routing_bytes(store: ObjectStore, run: str) -> tuple[float | None, float | N
     return num_bytes / num_records, num_bytes / max(num_tokens, 1)
 
 
+def lag_figures(
+    steps: Sequence[Mapping[str, Any]],
+) -> tuple[dict[str, int], dict[str, float], float | None]:
+    """Trained tokens by version lag over the run's steps, their token-weighted mean
+    importance ratio by lag, and the mean lag (empty and None without lag figures)."""
+    records = [r for r in steps if "tokens_lag0" in r]  # older records have none
+    if not records:
+        return {}, {}, None
+    tokens: Counter[str] = Counter()
+    ratio_sums = dict.fromkeys(LAG_BUCKETS, 0.0)
+    lag_sum = 0.0
+    for record in records:
+        for bucket in LAG_BUCKETS:
+            count = float(record[f"tokens_lag{bucket}"])
+            tokens[bucket] += int(count)
+            ratio_sums[bucket] += count * float(record[f"is_ratio_mean_lag{bucket}"])
+        tokens["unknown"] += int(record.get("tokens_lag_unknown", 0))
+        known = sum(float(record[f"tokens_lag{bucket}"]) for bucket in LAG_BUCKETS)
+        lag_sum += known * float(record.get("version_lag_mean", 0.0))
+    by_lag = {bucket: tokens[bucket] for bucket in LAG_BUCKETS}
+    if tokens["unknown"]:
+        by_lag["unknown"] = tokens["unknown"]
+    ratios = {b: ratio_sums[b] / tokens[b] for b in LAG_BUCKETS if tokens[b]}
+    num_known = sum(tokens[bucket] for bucket in LAG_BUCKETS)
+    return by_lag, ratios, lag_sum / num_known if num_known else None
+
+
 def summarize(run: str, shot: Snapshot, store: ObjectStore) -> RunSummary:
     """The run's figures from one final snapshot and the store."""
     steps = shot.steps
@@ -150,6 +185,7 @@ def summarize(run: str, shot: Snapshot, store: ObjectStore) -> RunSummary:
     computes = sum(float(r.get("time_compute_s", 0.0)) for r in steps)
     wall = [float(r["time"]) for r in steps if "time" in r]
     per_rollout, per_token = routing_bytes(store, run)
+    tokens_by_lag, is_ratio_by_lag, lag_mean = lag_figures(steps)
     return RunSummary(
         run=run,
         steps=len(steps),
@@ -186,6 +222,9 @@ def summarize(run: str, shot: Snapshot, store: ObjectStore) -> RunSummary:
         ),
         routing_bytes_per_rollout=per_rollout,
         routing_bytes_per_token=per_token,
+        tokens_by_lag=tokens_by_lag,
+        is_ratio_by_lag=is_ratio_by_lag,
+        version_lag_mean=lag_mean,
     )
 
 
@@ -224,6 +263,40 @@ def staleness_plot(staleness: Mapping[int, int]) -> bytes:
     return _png(figure)
 
 
+def offpolicy_plot(steps: Sequence[Mapping[str, Any]]) -> bytes:
+    """Per step: the share of trained tokens of each version lag (stacked), and their mean
+    importance ratio pi_train / pi_behaviour by lag."""
+    figure = Figure(figsize=(6.4, 5.2), dpi=100, layout="constrained")
+    shares, ratios = figure.subplots(2, 1, sharex=True)
+    records = [r for r in steps if "tokens_lag0" in r]
+    numbers = [int(r["step"]) for r in records]
+    totals = [max(sum(float(r[f"tokens_lag{b}"]) for b in LAG_BUCKETS), 1.0) for r in records]
+    bottom = [0.0] * len(records)
+    for bucket in LAG_BUCKETS:
+        share = [float(r[f"tokens_lag{bucket}"]) / t for r, t in zip(records, totals, strict=True)]
+        shares.bar(numbers, share, bottom=bottom, label=f"lag {bucket}")
+        bottom = [b + s for b, s in zip(bottom, share, strict=True)]
+        points = [
+            (n, r[f"is_ratio_mean_lag{bucket}"])
+            for n, r in zip(numbers, records, strict=True)
+            if r[f"tokens_lag{bucket}"]
+        ]
+        if points:
+            ratios.plot(*zip(*points, strict=True), marker="o", markersize=3, label=f"lag {bucket}")
+    shares.set_title("trained tokens by version lag (trainer version - generating version)")
+    shares.set_ylabel("share of tokens")
+    ratios.set_title("mean importance ratio pi_train / pi_behaviour by lag")
+    ratios.axhline(1.0, color="grey", linewidth=0.8)
+    ratios.set_xlabel("step")
+    ratios.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for axes in (shares, ratios):
+        axes.grid(alpha=0.3)
+    if records:
+        shares.legend(fontsize="small")
+        ratios.legend(fontsize="small")
+    return _png(figure)
+
+
 def write_report(
     out: Path, summary: RunSummary, shot: Snapshot, records: Mapping[str, Sequence[EvalRecord]]
 ) -> Path:
@@ -232,11 +305,14 @@ def write_report(
     files = render(summary.run, records)
     files["reward.png"] = reward_plot(shot.steps)
     files["staleness.png"] = staleness_plot(summary.staleness)
+    files["offpolicy.png"] = offpolicy_plot(shot.steps)
     files["summary.json"] = summary.to_json().encode()
     page = files["index.html"].decode()
     extra = (
         '<h2>Training</h2><p><img src="reward.png" alt="reward"> '
-        '<img src="staleness.png" alt="staleness"></p>'
+        '<img src="staleness.png" alt="staleness"> '
+        '<img src="offpolicy.png" alt="trained tokens and importance ratio by version lag">'
+        "</p>"
         '<p><a href="summary.json">summary.json</a></p>'
     )
     files["index.html"] = page.replace("</body>", extra + "</body>", 1).encode()
@@ -285,6 +361,21 @@ def print_summary(console: Console, summary: RunSummary, report: Path | None) ->
         "staleness (versions: groups)",
         "  ".join(f"{k}: {v}" for k, v in summary.staleness.items()) or "-",
     )
+    if summary.tokens_by_lag:
+        total = max(sum(summary.tokens_by_lag.values()), 1)
+        shares = "  ".join(
+            f"{lag}: {100 * count / total:.0f}%" for lag, count in summary.tokens_by_lag.items()
+        )
+        mean = summary.version_lag_mean
+        table.add_row(
+            "trained tokens by version lag",
+            shares + ("" if mean is None else f"  (mean {mean:.2f})"),
+        )
+        table.add_row(
+            "importance ratio by lag",
+            "  ".join(f"{lag}: {ratio:.3f}" for lag, ratio in summary.is_ratio_by_lag.items())
+            or "-",
+        )
     if summary.weight_sync_bytes_ratio is not None:
         table.add_row(
             "weight sync bytes (delta / raw)",
