@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig, StrictModel
 
@@ -22,6 +22,27 @@ class SuiteConfig(StrictModel):
     seed: int = Field(
         0, ge=0, description="Seed of a generated suite's task list (synthetic-heldout)."
     )
+    base_num_tasks: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Tasks version 0 is scored on (the first N of the same list, at least num_tasks); "
+            "unset: num_tasks x evals.base_tasks_multiplier, at most the whole list."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _base_covers_later_versions(self) -> SuiteConfig:
+        if (
+            self.base_num_tasks is not None
+            and self.num_tasks is not None
+            and self.base_num_tasks < self.num_tasks
+        ):
+            raise ValueError(
+                f"base_num_tasks = {self.base_num_tasks} is below num_tasks = {self.num_tasks}: "
+                "version 0 is scored on at least the tasks later versions are"
+            )
+        return self
 
 
 class EvalsConfig(ServiceConfig):
@@ -59,6 +80,36 @@ class EvalsConfig(ServiceConfig):
     )
     eval_timeout_s: float = Field(
         3600.0, gt=0, description="An eval whose groups are not all ready by then fails."
+    )
+    version_retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description=(
+            "Rounds of re-requests for samples an older version sampled (partly) because "
+            "inference had not loaded the version yet; still not the version's alone "
+            "after them, a sample is left out of the score and counted."
+        ),
+    )
+    base_tasks_multiplier: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description=(
+            "Version 0 (the base model, the reference of every gain) is scored on this many "
+            "times a suite's num_tasks (the same list's first tasks): its interval over "
+            "tasks is then about 1/sqrt(this) of a later version's, half at 4."
+        ),
+    )
+    base_samples_multiplier: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "Version 0 takes K x this samples per task (at most 1,024): it narrows the "
+            "within-task noise, the part of a gain's interval on the same tasks that "
+            "version 0 adds, not the spread between tasks."
+        ),
     )
     poll_interval_s: float = Field(
         10.0, gt=0, description="The store's latest version is checked this often besides notices."

@@ -3,15 +3,22 @@
 The eval of `suite` on version v submits one group of K samples per task with the
 idempotency key ``eval:<suite>:v<v>:<task_id>``, so running it again (a retry, a
 restart, a second RunEval) finds the same groups instead of sampling more: the
-reconciler returns the existing group ids, and the same rollouts are scored again. The
-record is stored and indexed only when every group is ready (or dropped).
+reconciler returns the existing group ids, and the same rollouts are scored again.
+Samples that v did not generate alone are asked for again in retry groups keyed
+``<key>:retry<round>`` (``services.evals.versions``), as deterministic as the first ones,
+and what is still not v's alone is left out and counted. Version 0, the base model every
+gain is measured from, is scored on more tasks (and optionally more samples) than later
+versions (``evals.base_tasks_multiplier``). The record is stored and indexed only when
+every group is ready (or dropped).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -22,6 +29,7 @@ from services.evals.record import EvalRecord, eval_id
 from services.evals.results import ResultsStore
 from services.evals.scoring import score
 from services.evals.suites import Suite
+from services.evals.versions import TaskSamples, retry_key
 from services.objectstore.base import ObjectStore
 from services.reconciler.client import GroupDropped, ReconcilerClient
 from services.weights.manifest import Layout, read_latest
@@ -30,6 +38,8 @@ from services.wire.errors import FailedPrecondition, NotFound, Unavailable
 log = logging.getLogger(__name__)
 
 SUBMIT_CHUNK = 500
+MAX_SAMPLES = 1024
+BASE_VERSION = 0  # the base model: the reference every gain is measured from
 Outcome = tuple[EvalRecord, common_pb2.ObjectRef]
 
 
@@ -127,12 +137,29 @@ class Evaluator:
             await self.check_published(version)
             if self.reconciler is None:
                 raise Unavailable("the evals service is starting")
-            k = num_samples or suite.num_samples
+            k = num_samples or self.default_samples(suite, version)
             task = asyncio.create_task(self._run(suite, version, k))
             self.running[(suite.name, version)] = RunningEval(suite.name, version, k, task)
         self.failed.pop((suite.name, version), None)
         task.add_done_callback(lambda t: self._finished(suite.name, version, t))
         return task
+
+    def default_samples(self, suite: Suite, version: int) -> int:
+        """K when RunEval does not say: the suite's, or the base version's own."""
+        return self.base_plan(suite)[1] if version == BASE_VERSION else suite.num_samples
+
+    def base_plan(self, suite: Suite) -> tuple[list[common_pb2.Task], int]:
+        """The base version's tasks and K: base_tasks_multiplier times the tasks (the
+        first of the same list) and K times base_samples_multiplier. Where the list runs
+        out first (HumanEval has 164), K grows by the tasks it could not give, unless the
+        suite's base_num_tasks says how many."""
+        settings = self.settings
+        tasks = suite.base_tasks(settings.base_tasks_multiplier)
+        num_samples = suite.num_samples * settings.base_samples_multiplier
+        if suite.settings.base_num_tasks is None:
+            wanted = len(suite.tasks) * settings.base_tasks_multiplier
+            num_samples *= math.ceil(wanted / len(tasks))
+        return tasks, min(num_samples, MAX_SAMPLES)
 
     def _check_samples(self, suite: str, version: int, existing: int, asked: int) -> None:
         if asked and asked != existing:
@@ -164,14 +191,19 @@ class Evaluator:
         metrics.export(record)
         metrics.RUNS.labels(suite.name, "DONE").inc()
         metrics.DURATION.labels(suite.name).observe(record.finished_at - started)
+        interval = record.pass_at_1_interval
         log.info(
-            "%s: pass@1 %.3f over %d tasks x K=%d (sampled by v%d-v%d)",
+            "%s: pass@1 %.3f [%.3f, %.3f] over %d tasks x K=%d; %d generations retried, "
+            "%d left out (not sampled by v%d alone)",
             record.eval_id,
             record.pass_at_1,
+            interval.low if interval else record.pass_at_1,
+            interval.high if interval else record.pass_at_1,
             record.num_tasks,
             record.num_samples,
-            record.generated_by.min_version,
-            record.generated_by.max_version,
+            record.num_retried,
+            record.num_left_out,
+            record.policy_version,
         )
         await self.on_result(record)
         stored = common_pb2.ObjectRef(key=info.key, size_bytes=info.size, sha256=info.sha256)
@@ -180,6 +212,79 @@ class Evaluator:
     async def _sample_and_score(
         self, suite: Suite, version: int, num_samples: int, started: float
     ) -> EvalRecord:
+        tasks = self.base_plan(suite)[0] if version == BASE_VERSION else suite.tasks
+        timeout_s = self.settings.eval_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                first, samples = await self._sample(suite.name, version, tasks, num_samples)
+        except TimeoutError:
+            raise EvalFailed(
+                f"{eval_id(suite.name, version)} was not settled in eval_timeout_s = {timeout_s:g}"
+            ) from None
+        groups, left_out_tasks = [], []
+        for task_id, group in first.items():
+            if group is None:
+                continue
+            kept = reconciler_pb2.Group()
+            kept.CopyFrom(group)
+            del kept.rollouts[:]
+            kept.rollouts.extend(samples[task_id].kept)
+            if kept.rollouts:
+                groups.append(kept)
+            else:
+                left_out_tasks.append(task_id)
+        if not groups:
+            raise EvalFailed(
+                f"no group of {eval_id(suite.name, version)} has a sample that version alone "
+                f"generated ({sum(g is None for g in first.values())} of {len(first)} dropped)"
+            )
+        return score(
+            run=self.run,
+            suite=suite.name,
+            family=suite.family,
+            version=version,
+            # The groups' own K: an earlier run of this eval may have created them.
+            num_samples=max(g.num_samples for g in first.values() if g is not None),
+            ks=self.settings.pass_at_k,
+            groups=groups,
+            dropped_tasks=[task_id for task_id, group in first.items() if group is None],
+            is_correct=suite.is_correct,
+            started_at=started,
+            finished_at=time.time(),
+            num_retried=sum(s.num_retried for s in samples.values()),
+            left_out_by=sum((s.left_out for s in samples.values()), Counter[str]()),
+            left_out_tasks=left_out_tasks,
+        )
+
+    async def _sample(
+        self, suite: str, version: int, tasks: list[common_pb2.Task], num_samples: int
+    ) -> tuple[dict[str, reconciler_pb2.Group | None], dict[str, TaskSamples]]:
+        """Each task's first group (None: dropped), and its samples sorted by version over
+        that group and its retry rounds."""
+        by_id = {task.task_id: task for task in tasks}
+        keys = {task_id: idempotency_key(suite, version, task_id) for task_id in by_id}
+        samples = {task_id: TaskSamples(version) for task_id in by_id}
+        first = await self._settle(version, [(by_id[t], num_samples, keys[t]) for t in by_id])
+        for task_id, group in first.items():
+            samples[task_id].add(group.rollouts if group else ())
+        for round_ in range(1, self.settings.version_retries + 1):
+            asked = {t: n for t, s in samples.items() if (n := s.take_retries())}
+            if not asked:
+                break
+            retries = await self._settle(
+                version, [(by_id[t], n, retry_key(keys[t], round_)) for t, n in asked.items()]
+            )
+            for task_id, group in retries.items():
+                samples[task_id].retried(group.rollouts if group else (), asked[task_id])
+        for task_samples in samples.values():
+            task_samples.finish()
+        return first, samples
+
+    async def _settle(
+        self, version: int, asked: list[tuple[common_pb2.Task, int, str]]
+    ) -> dict[str, reconciler_pb2.Group | None]:
+        """Submits a group per (task, K, idempotency key) and waits for all of them:
+        {task id: the ready group, or None when it was dropped}, in the order asked."""
         reconciler = self.reconciler
         assert reconciler is not None
         specs = [
@@ -188,44 +293,19 @@ class Evaluator:
                 num_samples=num_samples,
                 kind=common_pb2.SLOT_KIND_EVAL,
                 priority=self.settings.priority,
-                idempotency_key=idempotency_key(suite.name, version, task.task_id),
+                idempotency_key=key,
                 min_policy_version=version,
             )
-            for task in suite.tasks
+            for task, num_samples, key in asked
         ]
         futures = []
         for first in range(0, len(specs), SUBMIT_CHUNK):
             futures += await reconciler.submit_many(specs[first : first + SUBMIT_CHUNK])
         task_of = {f.group_id: spec.task.task_id for f, spec in zip(futures, specs, strict=True)}
-        ready: dict[str, reconciler_pb2.Group] = {}
-        dropped: set[str] = set()
-        timeout_s = self.settings.eval_timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                async for future in reconciler.as_completed(futures):
-                    try:
-                        ready[future.group_id] = await future.result()
-                    except GroupDropped:
-                        dropped.add(future.group_id)
-        except TimeoutError:
-            raise EvalFailed(
-                f"{len(ready) + len(dropped)} of {len(futures)} groups settled in "
-                f"eval_timeout_s = {timeout_s:g}"
-            ) from None
-        groups = [ready[f.group_id] for f in futures if f.group_id in ready]
-        if not groups:
-            raise EvalFailed(f"every group of {eval_id(suite.name, version)} was dropped")
-        return score(
-            run=self.run,
-            suite=suite.name,
-            family=suite.family,
-            version=version,
-            # The groups' own K: an earlier run of this eval may have created them.
-            num_samples=max(g.num_samples for g in groups),
-            ks=self.settings.pass_at_k,
-            groups=groups,
-            dropped_tasks=[task_of[f.group_id] for f in futures if f.group_id in dropped],
-            is_correct=suite.is_correct,
-            started_at=started,
-            finished_at=time.time(),
-        )
+        settled: dict[str, reconciler_pb2.Group | None] = {}
+        async for future in reconciler.as_completed(futures):
+            try:
+                settled[task_of[future.group_id]] = await future.result()
+            except GroupDropped:
+                settled[task_of[future.group_id]] = None
+        return {task.task_id: settled[task.task_id] for task, _, _ in asked}

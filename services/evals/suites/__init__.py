@@ -49,6 +49,18 @@ class Suite(abc.ABC):
             )
         return tasks[:limit] if limit is not None else tasks
 
+    def first_tasks(self, num_tasks: int) -> list[common_pb2.Task]:
+        """The first `num_tasks` tasks of the same list (all of it when it is shorter)."""
+        if num_tasks <= len(self.tasks):
+            return self.tasks[:num_tasks]
+        wider = type(self)(self.settings.model_copy(update={"num_tasks": num_tasks}))
+        return wider.all_tasks()[:num_tasks]
+
+    def base_tasks(self, multiplier: int) -> list[common_pb2.Task]:
+        """The tasks version 0 is scored on: ``base_num_tasks``, else `multiplier` times
+        the tasks later versions are scored on; they come first, in the same order."""
+        return self.first_tasks(self.settings.base_num_tasks or len(self.tasks) * multiplier)
+
     def is_correct(self, rollout: common_pb2.RolloutSummary) -> bool:
         """A sample counts as correct for pass@k when every test of the task passed."""
         return rollout.grade.all_passed
