@@ -16,14 +16,20 @@ How a result is read:
   code as a single test.
 
 Scores follow the spec's ``RewardMode``: ALL_PASS (also the default) gives 1.0 only
-when every test passed, PASS_FRACTION gives passed / total. Anything that stops grading
-early scores 0 with a ``failure_reason``: "timeout", "syntax_error", "import_error",
-"crash", "no_result", "forged_result", "no_tests".
+when every test passed, PASS_FRACTION gives passed / total. Anything of the code's that
+stops grading early scores 0 with a ``failure_reason``: "timeout", "syntax_error",
+"import_error", "crash", "no_result", "forged_result", "no_tests".
+
+What is not the code's is never scored (``services.envs.faults``): a sandbox that could
+not start or was killed from outside raises ``InfraFault``, and a timeout is re-run once
+in a fresh sandbox with CPU time as the judge before it counts as the code's.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import secrets
 import shutil
@@ -34,10 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from services.api.v1 import common_pb2
+from services.envs import faults, metrics
 from services.envs.families import GRADING_DIR, RUNNER_PATH
 from services.envs.families.runner import RESULT_PREFIX
 from services.envs.sandbox import ExecOutcome
 from services.envs.workspace import Workspaces
+
+log = logging.getLogger(__name__)
 
 RUNNER_SOURCE = (Path(__file__).parent / "families" / "runner.py").read_bytes()
 DEFAULT_TIMEOUT_S = 60.0
@@ -221,6 +230,43 @@ def _interpret(
     )
 
 
+def _run_judged(
+    workspaces: Workspaces, root: Path, command: list[str], nonce: str, limit_s: float
+) -> ExecOutcome:
+    """Runs the grading command; a timeout with CPU to spare is re-run once in a fresh
+    sandbox (new namespaces and /tmp, the same workspace) under a CPU-time limit of
+    `limit_s`, capped by the sandbox's own (``faults`` says how it is judged). Raises
+    InfraFault when the infrastructure ended a run."""
+    sandbox = workspaces.sandbox
+    stdin = f"{nonce}\n".encode()
+    outcome = sandbox.run(root, command, stdin=stdin, env=GRADING_ENV, wall_s=limit_s)
+    # The sandbox's own wall clock may be shorter than the spec's limit.
+    limit_s = min(limit_s, sandbox.config.wall_s)
+    first = faults.judge_first(outcome, limit_s)
+    if first.verdict is faults.Verdict.CODE_LOOP:
+        metrics.GRADING_TIMEOUTS.labels("code_loop").inc()
+    if first.verdict is not faults.Verdict.RERUN:
+        return outcome
+    cpu_limit_s = max(1, min(math.ceil(limit_s), sandbox.config.cpu_s))
+    try:
+        outcome = sandbox.run(root, command, stdin=stdin, env=GRADING_ENV, cpu_s=cpu_limit_s)
+        judged = faults.judge_rerun(outcome, cpu_limit_s)
+    except faults.InfraFault as fault:
+        metrics.GRADING_TIMEOUTS.labels(f"rerun_{fault.kind}").inc()
+        raise
+    metrics.GRADING_TIMEOUTS.labels(f"rerun_{judged.verdict.value}").inc()
+    log.info(
+        "grading timed out with CPU to spare (%s); re-run: %s (%s)",
+        first.describe(),
+        judged.verdict.value,
+        judged.describe(),
+    )
+    if judged.verdict is faults.Verdict.CODE_LOOP:
+        # Its CPU time reached the limit: scored as the timeout it is, however it ended.
+        outcome.timed_out, outcome.killed_by = True, "rlimit_cpu"
+    return outcome
+
+
 def grade(
     workspaces: Workspaces,
     workspace_id: str,
@@ -233,7 +279,9 @@ def grade(
 
     `timeout_s` overrides the spec's timeout (which defaults to DEFAULT_TIMEOUT_S); the
     sandbox's own wall-clock limit caps both. Never raises for what the code under test
-    does; raises ValueError for an empty command or a hidden path outside the workspace.
+    does; raises ``faults.InfraFault`` for what the infrastructure did (the sandbox did
+    not start, was killed from outside, or starved the command of CPU twice), and
+    ValueError for an empty command or a hidden path outside the workspace.
     """
     if not grading.command or not grading.command[0]:
         raise ValueError("grading.command must name a program")
@@ -248,12 +296,12 @@ def grade(
         if (root / GRADING_DIR).exists() or (root / GRADING_DIR).is_symlink():
             _remove(root / GRADING_DIR)
         _place(root, [*grading.hidden_files, runner], placed)
-        outcome = workspaces.sandbox.run(
+        outcome = _run_judged(
+            workspaces,
             root,
             list(grading.command),
-            stdin=f"{nonce}\n".encode(),
-            env=GRADING_ENV,
-            wall_s=timeout_s or grading.timeout_s or DEFAULT_TIMEOUT_S,
+            nonce,
+            timeout_s or grading.timeout_s or DEFAULT_TIMEOUT_S,
         )
     finally:
         _restore(placed, workspaces.sandbox.run_uid())

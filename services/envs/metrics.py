@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.api.v1 import common_pb2
+from services.envs.faults import InfraKind
 from services.envs.rewards import reward_parts
 from services.envs.tools import Tools
 
@@ -45,6 +46,23 @@ GRADING_FAILURES = Counter(
     "etude_envs_grading_failures",
     "Final gradings that did not run to the end, by reason (timeout, syntax_error, crash, ...).",
     ["reason"],
+)
+INFRA_FAULTS = Counter(
+    "etude_envs_infra_faults",
+    "Rollout attempts the infrastructure ended, by kind (sandbox_start, killed_outside, "
+    "host_overloaded, inference, object_store, worker): each failed its slot as retryable "
+    "and was never trained on; counted once per attempt.",
+    ["kind"],
+)
+for _kind in InfraKind:
+    INFRA_FAULTS.labels(_kind.value)
+GRADING_TIMEOUTS = Counter(
+    "etude_envs_grading_timeouts",
+    "Gradings that ran out of wall time, by verdict: code_loop (it used its CPU: no re-run), "
+    "or rerun_<verdict> of the one re-run judged by CPU time (ran: the host had starved it; "
+    "code_loop; code_stalled: it slept or blocked; host_overloaded, killed_outside, "
+    "sandbox_start: retried).",
+    ["verdict"],
 )
 ERRORS = Counter(
     "etude_envs_rollout_errors", "Rollout attempts that raised, by exception type.", ["error"]

@@ -9,6 +9,15 @@ address space, processes, file size, open files; a wall-clock timeout kills the 
 process group; stdout and stderr are cut at a size limit while the process is still
 read (a flood cannot fill the worker's memory).
 
+Each outcome also carries what ``services.envs.faults`` needs to tell the code's failures
+from the infrastructure's: whether the sandbox started at all, the CPU seconds the
+command's process tree used, how long its processes waited for a CPU (run-queue delay,
+read at a timeout), and whether a signal from outside the sandbox ended it. The last is
+exact under bubblewrap: the command is pid 1 of its PID namespace, which nothing inside
+the namespace can kill with SIGKILL (or with any signal it has no handler for), and its
+real wait status comes from a pidfd (``PIDFD_INFO_EXIT``), so ``exit(137)`` is not
+mistaken for a kill.
+
 Without bubblewrap, untrusted code is refused unless ``allow_unsafe_local`` is set
 (then commands run as plain subprocesses with the same rlimits: for trusted tests only).
 """
@@ -17,11 +26,15 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
+import fcntl
+import json
 import os
 import resource
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import threading
 import time
@@ -35,6 +48,9 @@ from services.config import MIB, StrictModel
 
 SANDBOX_HOME = "/workspace"
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+# A run given its own CPU limit (a timeout judged by CPU time) gets this many times that
+# limit as its wall clock: an innocent program must get a third of a CPU to be judged.
+JUDGE_WALL_FACTOR = 3
 
 
 class SandboxConfig(StrictModel):
@@ -72,6 +88,15 @@ class ExecOutcome:
     stdout_truncated: bool
     stderr_truncated: bool
     wall_s: float
+    # CPU seconds (user + system) of the command and the descendants reaped in it.
+    cpu_s: float = 0.0
+    # Seconds the sandbox's live processes spent runnable but waiting for a CPU (read
+    # only when the wall clock ran out: starvation by the host, not the command's sleep).
+    wait_s: float = 0.0
+    # False when the sandbox never ran the command (setup failed, fork refused).
+    started: bool = True
+    # A signal sent from outside the sandbox (not our timeout, not the CPU limit) ended it.
+    killed_outside: bool = False
 
 
 _SIGNAL_NAMES: dict[int, str] = {
@@ -80,6 +105,16 @@ _SIGNAL_NAMES: dict[int, str] = {
     signal.SIGKILL: "SIGKILL",
     signal.SIGSEGV: "SIGSEGV",
 }
+
+
+# Signals that end a PID namespace's init only when sent from outside the namespace (it
+# has no handler for them, so the kernel drops them when sent from inside).
+_OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+# ioctl(PIDFD_GET_INFO) with struct pidfd_info (version 0, 64 bytes): the exit status of a
+# process that is not our child, kept by the kernel for as long as we hold its pidfd.
+_PIDFD_INFO_SIZE = 64
+_PIDFD_GET_INFO = (3 << 30) | (_PIDFD_INFO_SIZE << 16) | (0xFF << 8) | 11
+_PIDFD_INFO_EXIT = 1 << 3
 
 
 class SandboxUnavailable(RuntimeError):
@@ -145,6 +180,65 @@ def _reap(process: subprocess.Popen[bytes], timeout: float) -> resource.struct_r
     return usage
 
 
+def _exit_status(pidfd: int) -> int | None:
+    """The wait status of the (reaped) process behind `pidfd`, or None if unknown."""
+    info = bytearray(_PIDFD_INFO_SIZE)
+    struct.pack_into("Q", info, 0, _PIDFD_INFO_EXIT)
+    try:
+        fcntl.ioctl(pidfd, _PIDFD_GET_INFO, info)
+    except OSError:  # an older kernel, or the process is not reaped yet
+        return None
+    (mask,) = struct.unpack_from("Q", info, 0)
+    if not mask & _PIDFD_INFO_EXIT:
+        return None
+    (status,) = struct.unpack_from("i", info, 60)
+    return int(status)
+
+
+def _read_child_pid(fd: int, timeout: float) -> int | None:
+    """The command's host pid from bwrap's ``--info-fd`` JSON, or None if bwrap closed it
+    without one (it could not set the sandbox up) or said nothing within `timeout`."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        pid = json.loads(data).get("child-pid")
+    except ValueError:
+        return None
+    return pid if isinstance(pid, int) else None
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants (Linux /proc children lists)."""
+    tree, index = [pid], 0
+    while index < len(tree):
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{tree[index]}/task"):
+                with open(f"/proc/{tree[index]}/task/{task}/children") as listing:
+                    tree.extend(int(child) for child in listing.read().split())
+        index += 1
+    return tree
+
+
+def _run_queue_wait_s(pid: int) -> float:
+    """Seconds the threads of `pid`'s live process tree spent runnable, waiting for a CPU
+    (the second field of /proc/<pid>/task/<tid>/schedstat)."""
+    waited_ns = 0
+    for process in _tree(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for task in os.listdir(f"/proc/{process}/task"):
+                with open(f"/proc/{process}/task/{task}/schedstat") as stats:
+                    waited_ns += int(stats.read().split()[1])
+    return waited_ns / 1e9
+
+
 def _kill_children(pid: int) -> None:
     """SIGKILL to the direct children of `pid` (Linux /proc children lists)."""
     with contextlib.suppress(OSError):
@@ -159,13 +253,24 @@ class Sandbox(abc.ABC):
     """Runs a command with `workspace` as its writable working directory."""
 
     name: str
+    # Whether the sandbox reports the command's host pid and that it set itself up
+    # (bubblewrap): then a failed setup and a kill from outside can be told apart.
+    reports_child_pid = False
 
     def __init__(self, config: SandboxConfig) -> None:
         self.config = config
 
     @abc.abstractmethod
-    def command(self, workspace: Path, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
-        """The argv that runs `argv` inside this sandbox."""
+    def command(
+        self,
+        workspace: Path,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        info_fd: int | None = None,
+        started_fd: int | None = None,
+    ) -> list[str]:
+        """The argv that runs `argv` inside this sandbox, writing the command's host pid
+        (JSON) to `info_fd` and one byte to `started_fd` once the sandbox is set up."""
 
     def run_uid(self) -> int | None:
         """The uid commands drop to (None: keep the caller's)."""
@@ -195,24 +300,64 @@ class Sandbox(abc.ABC):
         stdin: bytes = b"",
         env: Mapping[str, str] | None = None,
         wall_s: float | None = None,
+        cpu_s: int | None = None,
     ) -> ExecOutcome:
-        """Runs `argv`; never raises for what the command does, only for bad arguments."""
+        """Runs `argv`; never raises for what the command does, only for bad arguments.
+
+        `cpu_s` replaces the configured CPU limit; a run given one gets JUDGE_WALL_FACTOR
+        times it as its wall clock unless `wall_s` says otherwise (at most that many times
+        the configured one): a run judged by its CPU time needs room to be slow on a loaded
+        host.
+        """
         if not argv or not argv[0]:
             raise ValueError("argv must name a program")
         config = self.config
-        wall = min(wall_s or config.wall_s, config.wall_s)
+        if cpu_s is not None:
+            config = config.model_copy(update={"cpu_s": cpu_s})
+        if cpu_s is None:
+            wall = min(wall_s or config.wall_s, config.wall_s)
+        else:
+            wall = min(wall_s or JUDGE_WALL_FACTOR * cpu_s, JUDGE_WALL_FACTOR * self.config.wall_s)
         full_env = {"PATH": DEFAULT_PATH, "HOME": SANDBOX_HOME, "LANG": "C.UTF-8", **(env or {})}
         started = time.perf_counter()
         uid = self.run_uid()
-        process = subprocess.Popen(
-            _limited(config, uid, self.command(workspace, argv, full_env)),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=workspace,
-            env=full_env,
-            start_new_session=True,
-        )
+        # Read ends, write ends: the command's host pid, and a byte its sandbox writes
+        # once set up (the command itself never holds that fd).
+        pipes = [os.pipe(), os.pipe()] if self.reports_child_pid else []
+        reads, writes = tuple(r for r, _ in pipes), tuple(w for _, w in pipes)
+        try:
+            process = subprocess.Popen(
+                _limited(
+                    config, uid, self.command(workspace, argv, full_env, *(writes or (None, None)))
+                ),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=workspace,
+                env=full_env,
+                start_new_session=True,
+                pass_fds=writes,
+            )
+        except OSError as error:
+            for fd in reads:
+                os.close(fd)
+            if error.errno not in (errno.EAGAIN, errno.ENOMEM):
+                raise
+            # The host could not fork: nothing the command did.
+            return ExecOutcome(
+                exit_code=-1,
+                stdout=b"",
+                stderr=str(error).encode(),
+                timed_out=False,
+                killed_by="",
+                stdout_truncated=False,
+                stderr_truncated=False,
+                wall_s=time.perf_counter() - started,
+                started=False,
+            )
+        finally:
+            for fd in writes:
+                os.close(fd)
         outputs: dict[str, tuple[list[bytes], list[bool]]] = {
             "out": ([], [False]),
             "err": ([], [False]),
@@ -227,15 +372,26 @@ class Sandbox(abc.ABC):
         ]
         for reader in readers:
             reader.start()
+        command_pidfd = None
+        if reads:
+            try:
+                child_pid = _read_child_pid(reads[0], wall)
+            finally:
+                os.close(reads[0])
+            if child_pid is not None:
+                with contextlib.suppress(ProcessLookupError):  # it has already exited
+                    command_pidfd = os.pidfd_open(child_pid)
         try:
             assert process.stdin is not None
             process.stdin.write(stdin)
             process.stdin.close()
         except BrokenPipeError:
             pass
-        usage = _reap(process, wall)
+        usage = _reap(process, max(wall - (time.perf_counter() - started), 0.0))
         timed_out = usage is None
+        wait_s = 0.0
         if timed_out:
+            wait_s = _run_queue_wait_s(process.pid)
             # The command first: its sandbox parent then reaps it and exits, so no
             # orphan is left for init to reap (an unreaped zombie still counts
             # against the uid's RLIMIT_NPROC).
@@ -248,9 +404,35 @@ class Sandbox(abc.ABC):
         code = process.wait() if usage is None else process.returncode
         for reader in readers:
             reader.join(timeout=5)
+        sandbox_started = True
+        if reads:
+            # Every writer has exited (bwrap holds it too): this never blocks.
+            sandbox_started = os.read(reads[1], 1) == b"x"
+            os.close(reads[1])
+        command_status = None
+        if command_pidfd is not None:
+            command_status = _exit_status(command_pidfd)
+            os.close(command_pidfd)
+        cpu_used = usage.ru_utime + usage.ru_stime if usage else 0.0
         killed_by = "wall_clock" if timed_out else self.signal_of(code)
-        if killed_by == "SIGKILL" and usage and usage.ru_utime + usage.ru_stime >= config.cpu_s:
+        if not timed_out and code >= 0 and command_status is not None:
+            # The command's own wait status, not bwrap's 128 + N (which exit(137) forges).
+            killed_by = (
+                self.signal_of(-os.WTERMSIG(command_status))
+                if os.WIFSIGNALED(command_status)
+                else ""
+            )
+        if killed_by == "SIGKILL" and cpu_used >= config.cpu_s:
             killed_by = "rlimit_cpu"  # the hard CPU limit kills; pid 1 ignores SIGXCPU
+        killed_outside = False
+        if self.reports_child_pid and not timed_out and killed_by != "rlimit_cpu":
+            # bwrap is our child and we signal it only after reaping it; its command can
+            # die of these signals only when they come from outside its PID namespace.
+            killed_outside = code < 0 or (
+                command_status is not None
+                and os.WIFSIGNALED(command_status)
+                and os.WTERMSIG(command_status) in _OUTSIDE_SIGNALS
+            )
         return ExecOutcome(
             exit_code=code,
             stdout=b"".join(outputs["out"][0]),
@@ -260,6 +442,10 @@ class Sandbox(abc.ABC):
             stdout_truncated=outputs["out"][1][0],
             stderr_truncated=outputs["err"][1][0],
             wall_s=time.perf_counter() - started,
+            cpu_s=cpu_used,
+            wait_s=wait_s,
+            started=sandbox_started,
+            killed_outside=killed_outside,
         )
 
 
@@ -271,6 +457,9 @@ class BubblewrapSandbox(Sandbox):
     def __init__(self, config: SandboxConfig, binary: str) -> None:
         super().__init__(config)
         self.binary = binary
+        # bash (not dash) writes to the start pipe: its fd number may be above 9.
+        self._bash = shutil.which("bash", path="/usr/bin:/bin")
+        self.reports_child_pid = self._bash is not None
 
     def signal_of(self, code: int) -> str:
         # bwrap exits with 128 + N when the command inside dies of signal N.
@@ -278,7 +467,20 @@ class BubblewrapSandbox(Sandbox):
             return _SIGNAL_NAMES.get(code - 128, signal.Signals(code - 128).name)
         return super().signal_of(code)
 
-    def command(self, workspace: Path, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    def command(
+        self,
+        workspace: Path,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        info_fd: int | None = None,
+        started_fd: int | None = None,
+    ) -> list[str]:
+        if started_fd is not None and self._bash is not None:
+            # Inside the sandbox, once bwrap has set it up: say so on a pipe, close it, and
+            # become the command (still pid 1). The command never runs if setup failed, so
+            # it cannot make a started sandbox look like one that failed to start.
+            script = f'printf x >&{started_fd}; exec {started_fd}>&-; exec "$@"'
+            argv = [self._bash, "-c", script, "sh", *argv]
         mounts = ["--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
             target = os.readlink(f"/{link}") if os.path.islink(f"/{link}") else None
@@ -322,6 +524,9 @@ class BubblewrapSandbox(Sandbox):
             "--chdir",
             SANDBOX_HOME,
             "--clearenv",
+            # The command's pid, once the sandbox is set up (bwrap closes it before the
+            # command runs: the command cannot write to it).
+            *(["--info-fd", str(info_fd)] if info_fd is not None else []),
             *[arg for key, value in env.items() for arg in ("--setenv", key, value)],
             "--",
             *argv,
@@ -333,7 +538,14 @@ class UnsafeLocalSandbox(Sandbox):
 
     name = "unsafe-local"
 
-    def command(self, workspace: Path, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    def command(
+        self,
+        workspace: Path,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        info_fd: int | None = None,
+        started_fd: int | None = None,
+    ) -> list[str]:
         return list(argv)
 
 

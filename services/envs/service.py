@@ -16,6 +16,7 @@ from grpc import aio
 
 from services.api.v1 import common_pb2, envs_pb2, envs_pb2_grpc
 from services.envs import validation
+from services.envs.faults import InfraFault
 from services.envs.grading import grade
 from services.envs.sandbox import SandboxUnavailable, make_sandbox
 from services.envs.worker import RolloutWorker
@@ -106,7 +107,10 @@ class EnvServicer(envs_pb2_grpc.EnvServiceServicer):
                     f"{request.workspace_id} was not created from a task: give grading"
                 )
             grading = workspace.task.grading
-        result = await asyncio.to_thread(grade, self._workspaces, request.workspace_id, grading)
+        try:
+            result = await asyncio.to_thread(grade, self._workspaces, request.workspace_id, grading)
+        except InfraFault as fault:  # the host's fault, not the code's: worth a retry
+            raise Unavailable(f"grading was not scored: {fault}") from fault
         return envs_pb2.GradeResponse(result=result)
 
     async def DeleteWorkspace(

@@ -2,9 +2,13 @@
 store the rollout record, complete the slot.
 
 The K slots of a group start from the same prepared workspace: the first slot a worker
-takes of a group builds it and snapshots it, the others fork from the snapshot. A fault
-(inference down, a harness bug) fails the slot with the reason, so it is retried; a
-lease lost meanwhile (the worker was too slow) drops the result, since another worker
+takes of a group builds it and snapshots it, the others fork from the snapshot. What the
+code under test does is scored (a timeout, a crash, wrong output: usually 0); what the
+infrastructure does (a sandbox that did not start or was killed from outside, a host
+that starved the tests of CPU twice, inference or the object store down, a bug of the
+worker) is never scored: the slot fails as retryable with the reason
+``infra:<kind>: <detail>`` (``services.envs.faults``), so it is retried; a lease lost
+meanwhile (the worker was too slow) drops the result, since another worker
 owns the slot now. Heartbeats run in the background for as long as a slot is held (one
 call renews all of a worker's leases).
 """
@@ -24,7 +28,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api.v1 import common_pb2, reconciler_pb2
-from services.envs import metrics
+from services.envs import faults, metrics
 from services.envs.harness import Harness, HarnessConfig
 from services.envs.inference_client import InferenceGenerator
 from services.envs.rewards import Behaviour, RewardConfig, reasoning_comment_lines, reward
@@ -147,11 +151,12 @@ class RolloutWorker:
         async with self.reconciler.lease(slot) as lease:
             try:
                 summary = await self.rollout(slot)
-            except Exception as error:  # any fault of this attempt: the slot is retried
+            except Exception as error:  # the infrastructure's fault: the slot is retried
                 log.exception("rollout of %s failed", slot.lease.slot_id)
                 metrics.ROLLOUTS.labels("failed").inc()
                 metrics.ERRORS.labels(type(error).__name__).inc()
-                reason = f"{type(error).__name__}: {error}"[:200]
+                metrics.INFRA_FAULTS.labels(faults.infra_kind(error)).inc()
+                reason = faults.failure_reason(error)
                 try:
                     await lease.fail(reason, retryable=True)
                 except aio.AioRpcError as fail_error:
