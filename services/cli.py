@@ -24,8 +24,10 @@ app = typer.Typer(
 )
 model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
+tasks_app = typer.Typer(help="Make task sets for the feeder.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(config_app, name="config")
+app.add_typer(tasks_app, name="tasks")
 app.add_typer(envs_app, name="envs")
 app.add_typer(evals_app, name="evals")
 
@@ -130,6 +132,56 @@ def model_init(
 def config_show(config: ConfigOption = None) -> None:
     """Print the resolved config (file + ETUDE_* environment) as JSON."""
     typer.echo(_load(config).model_dump_json(indent=2))
+
+
+@tasks_app.command("export")
+def tasks_export(
+    count: Annotated[int, typer.Option(min=1, help="How many tasks (positions 0..count-1).")],
+    generator: Annotated[
+        str, typer.Option(help="'module:function', (position, seed) -> Task | None.")
+    ] = "services.envs.families.synthetic:task_at",
+    seed: Annotated[int, typer.Option(min=0, help="Seed passed to the generator.")] = 0,
+    out: Annotated[Path | None, typer.Option(help="Write the JSON lines to this file.")] = None,
+    key: Annotated[
+        str | None,
+        typer.Option(help="Write them to this key of the config's object store instead."),
+    ] = None,
+    config: ConfigOption = None,
+) -> None:
+    """Write a generator's tasks as JSON lines: the file a jsonl feeder reads, by path or,
+    in a cluster, by object-store key (reconciler.feeder.key)."""
+    from google.protobuf import json_format
+    from pydantic import ValidationError
+
+    from services.reconciler.config import FeederConfig
+    from services.reconciler.feeders import build_feeder
+
+    if (out is None) == (key is None):
+        typer.echo("give exactly one of --out and --key", err=True)
+        raise typer.Exit(2)
+    try:
+        feeder = build_feeder(FeederConfig(kind="generator", generator=generator, seed=seed))
+    except (ValidationError, ImportError, AttributeError) as error:
+        typer.echo(f"generator {generator!r}: {error}", err=True)
+        raise typer.Exit(2) from error
+    tasks = feeder.tasks_from(0, count)
+    text = "".join(json_format.MessageToJson(task, indent=None) + "\n" for task in tasks)
+    if out is not None:
+        out.write_text(text)
+        where = str(out)
+    else:
+        from services.messages import require_object_key
+        from services.objectstore import open_store
+
+        assert key is not None
+        try:
+            require_object_key(key, "--key")
+        except ValueError as error:
+            typer.echo(str(error), err=True)
+            raise typer.Exit(2) from error
+        open_store(_load(config).object_store).put(key, text.encode())
+        where = f"object {key}"
+    typer.echo(f"{len(tasks)} tasks ({generator}, seed {seed}) -> {where}")
 
 
 @app.command()

@@ -110,3 +110,33 @@ def test_a_wrong_bench_setting_is_named_not_a_traceback(monkeypatch: pytest.Monk
     assert done.returncode == 2 and not done.stdout
     assert "replay: ETUDE_BENCH_REPLAY_SHAPE='16x64': expected layers:experts" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_tasks_export_writes_what_the_jsonl_feeder_reads(tmp_path: Path) -> None:
+    """To a file and to an object-store key; the feeder reads back the generator's tasks."""
+    from services.config import ObjectStoreConfig
+    from services.envs.families.synthetic import task_at
+    from services.objectstore import open_store
+    from services.reconciler.config import FeederConfig
+    from services.reconciler.feeders import build_feeder
+
+    config = tmp_path / "config.toml"
+    config.write_text(f'[object_store]\nurl = "file://{tmp_path}/store"\n')
+    out = tmp_path / "tasks.jsonl"
+    done = _run("tasks", "export", "--count", "5", "--seed", "3", "--out", str(out))
+    assert done.returncode == 0 and "5 tasks" in done.stdout, done.stderr
+    done = _run("tasks", "export", "--count", "5", "--seed", "3", "--key", "t/train.jsonl",
+                "-c", str(config))  # fmt: skip
+    assert done.returncode == 0 and "object t/train.jsonl" in done.stdout, done.stderr
+    expected = [task_at(position, 3) for position in range(5)]
+    store = open_store(ObjectStoreConfig(url=f"file://{tmp_path}/store"))
+    for feeder in (
+        build_feeder(FeederConfig(path=out)),
+        build_feeder(FeederConfig(key="t/train.jsonl"), store),
+    ):
+        assert feeder.tasks_from(0, 10) == expected
+
+    for wrong in (["--count", "1"], ["--count", "1", "--out", str(out), "--key", "k"]):
+        assert _run("tasks", "export", *wrong).returncode == 2
+    refused = _run("tasks", "export", "--count", "1", "--key", "../x", "-c", str(config))
+    assert refused.returncode == 2 and "--key" in refused.stderr

@@ -8,7 +8,6 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig, StrictModel
-from services.messages import require_object_key
 
 
 class FeederConfig(StrictModel):
@@ -50,6 +49,10 @@ class FeederConfig(StrictModel):
                 f"object-store key); got path = {self.path}, key = {self.key}"
             )
         if self.key is not None:
+            # The one key check, imported here: it brings the wire errors (and gRPC),
+            # which a config for `--help` has no need of.
+            from services.messages import require_object_key
+
             require_object_key(self.key, "reconciler.feeder.key")
         if self.kind == "generator" and self.generator is None:
             raise ValueError("feeder kind 'generator' needs generator (got generator = None)")
