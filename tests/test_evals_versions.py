@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from services.api.v1 import common_pb2
+from services.api.v1 import common_pb2, reconciler_pb2
 from services.evals.config import EvalsConfig, SuiteConfig
 from services.evals.record import EvalRecord
 from services.evals.results import ResultsStore, result_key
 from services.evals.runner import Evaluator
+from services.evals.scoring import score
 from services.evals.suites import Suite, load_suites
 from services.evals.versions import DROPPED, TaskSamples, retryable, sampled_by_only
 from services.objectstore.local import FileObjectStore
@@ -67,6 +68,29 @@ def test_task_samples_count_retries_and_left_outs() -> None:
     task.add([sample(1, 2)])
     task.finish()  # no retries left
     assert task.num_retried == 2 and task.num_left_out == 4 and task.left_out["v1-v2"] == 1
+
+
+def test_a_rollout_without_tokens_is_scored_and_sampled_by_no_version() -> None:
+    failed = sample(0, 0, tokens=0)
+    record = score(
+        run="r",
+        suite=SUITE,
+        family="synthetic",
+        version=3,
+        num_samples=2,
+        ks=[1],
+        groups=[
+            reconciler_pb2.Group(
+                group_id="g", task=common_pb2.Task(task_id="t"), rollouts=[sample(3, 3), failed]
+            )
+        ],
+        dropped_tasks=[],
+        is_correct=lambda r: r.grade.all_passed,
+        started_at=0.0,
+        finished_at=1.0,
+    )
+    assert record.num_rollouts == 2
+    assert (record.generated_by.min_version, record.generated_by.max_version) == (3, 3)
 
 
 def test_version_0_is_scored_on_more_tasks_of_the_same_lists() -> None:

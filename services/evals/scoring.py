@@ -92,7 +92,13 @@ def score(
     parts = Counter[str]()
     for rollout in rollouts:
         parts.update(dict(rollout.reward.behaviour_parts))
-    versions = [v for r in rollouts for v in (r.min_policy_version, r.max_policy_version)]
+    # A rollout that generated no token was sampled by no version.
+    versions = [
+        v
+        for r in rollouts
+        if r.stats.num_generated_tokens
+        for v in (r.min_policy_version, r.max_policy_version)
+    ]
     pass_rates = [t.num_correct / t.num_samples for t in tasks if t.num_samples]
     left_out = dict(left_out_by or {})
     return EvalRecord(
@@ -102,7 +108,7 @@ def score(
         eval_id=eval_id(suite, version),
         policy_version=version,
         generated_by=GeneratedBy(
-            min_version=min(versions, default=0), max_version=max(versions, default=0)
+            min_version=min(versions, default=version), max_version=max(versions, default=version)
         ),
         num_tasks=len(tasks),
         num_samples=num_samples,
