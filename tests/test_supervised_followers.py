@@ -226,8 +226,17 @@ async def test_notify_version_checks_the_manifest_key(replica: Replica) -> None:
                 await stub.NotifyVersion(notice)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, key
             assert refused.value.details().startswith("manifest_key: "), refused.value.details()
-        good = Layout(replica.reconciler.run_name).manifest(1)
-        answer = await stub.NotifyVersion(
-            common_pb2.PolicyVersionNotice(version=1, manifest_key=good)
-        )
+        layout = Layout(replica.reconciler.run_name)
+        zero = common_pb2.PolicyVersionNotice(version=0, manifest_key=layout.manifest(0))
+        with pytest.raises(aio.AioRpcError) as refused:
+            await stub.NotifyVersion(zero)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.details().startswith("version: "), refused.value.details()
+        # A well-formed notice of a version that is not in the store: NOT_FOUND, as before.
+        unpublished = common_pb2.PolicyVersionNotice(version=99, manifest_key=layout.manifest(99))
+        with pytest.raises(aio.AioRpcError) as missing:
+            await stub.NotifyVersion(unpublished)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND, missing.value.details()
+        served = common_pb2.PolicyVersionNotice(version=1, manifest_key=layout.manifest(1))
+        answer = await stub.NotifyVersion(served)
         assert answer.accepted and answer.serving_version == 1
