@@ -474,6 +474,7 @@ def test_alert_rules_pass_promtool_and_their_unit_tests() -> None:
         "EtudeDeadSlotsRising",
         "EtudeNoProgress",
         "EtudeLeaseExpiriesSpiking",
+        "EtudeInfraFaultsHigh",
         "EtudeServiceNotReady",
         "EtudeDependencyNotReady",
         "EtudeGrpcServerErrors",

@@ -271,6 +271,7 @@ def chart_schema() -> Schema:
             deadSlotsRising=alert(threshold=number(minimum=0), window=DURATION),
             noProgress=alert(window=DURATION),
             leaseExpiriesSpiking=alert(threshold=number(minimum=0), window=DURATION),
+            infraFaultsHigh=alert(threshold=number(minimum=0, maximum=1), window=DURATION),
             serviceNotReady=alert(),
             podDown=alert(),
             serviceAbsent=alert(),
