@@ -128,6 +128,34 @@ def model_init(
     typer.echo(f"{preset}: {parameters['total']:,} parameters ({parameters['active']:,} active)")
 
 
+@model_app.command("push")
+def model_push(
+    model_dir: Annotated[Path, typer.Option("--dir", help="The HF-layout model directory.")],
+    prefix: Annotated[
+        str | None,
+        typer.Option(help="Object-store prefix (default: the config's model.store_prefix)."),
+    ] = None,
+    config: ConfigOption = None,
+) -> None:
+    """Upload a model where every service syncs it from (model.store_prefix)."""
+    from services.config import ModelConfig
+    from services.model_source import ModelSourceError, fingerprint, push_model
+    from services.objectstore import open_store
+
+    resolved = _load(config)
+    prefix = prefix or resolved.model.store_prefix
+    if prefix is None:
+        typer.echo("no --prefix and no model.store_prefix in the config", err=True)
+        raise typer.Exit(2)
+    try:
+        ModelConfig(dir=model_dir, store_prefix=prefix)  # the prefix the services accept
+        size = push_model(open_store(resolved.object_store), model_dir, prefix)
+    except (ValueError, ModelSourceError) as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(2) from error
+    typer.echo(f"{model_dir} ({fingerprint(model_dir)}): {size:,} bytes under {prefix}")
+
+
 @config_app.command("show")
 def config_show(config: ConfigOption = None) -> None:
     """Print the resolved config (file + ETUDE_* environment) as JSON."""

@@ -172,6 +172,26 @@ class RedisConfig(StrictModel):
     )
 
 
+class ModelConfig(StrictModel):
+    """The base model: one source that the trainer, inference and envs share."""
+
+    dir: Path | None = Field(
+        None,
+        description="HF-layout model directory every service reads: the trainer starts from "
+        "it, inference serves it, envs tokenizes with it. Unset: inference.engine.model_dir.",
+    )
+    store_prefix: str | None = Field(
+        None,
+        min_length=1,
+        max_length=512,
+        # pydantic's (Rust) regex: `$` is the end of the text, no trailing newline.
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9._=+@,:-]*(/[A-Za-z0-9_][A-Za-z0-9._=+@,:-]*)*$",
+        description="Object-store prefix the model is synced from into `dir` when a service "
+        "that reads it starts (`etude model push` uploads it there): one copy for every pod "
+        "of a cluster. Unset: `dir` already holds the model (a volume, or `etude model init`).",
+    )
+
+
 class ObjectStoreConfig(StrictModel):
     """The object store for weights, rollout records and reports."""
 

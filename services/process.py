@@ -47,8 +47,10 @@ def run_service(service: ServiceName, config: EtudeConfig) -> int:
 
     configure_logging(config.telemetry, service)
     log.info("resolved config: %s", config.redacted_json())
-    module = importlib.import_module(f"services.{service}.service")
     try:
+        if service in MODEL_READERS:
+            bring_model(config)
+        module = importlib.import_module(f"services.{service}.service")
         module.run(config)
     except KeyboardInterrupt:
         return 130
@@ -56,6 +58,24 @@ def run_service(service: ServiceName, config: EtudeConfig) -> int:
         log.exception("%s exited with an error", service)
         return 1
     return 0
+
+
+MODEL_READERS: tuple[ServiceName, ...] = ("envs", "inference", "trainer")
+"""The services that read the base model (``model.dir``)."""
+
+
+def bring_model(config: EtudeConfig) -> None:
+    """Syncs the model from ``model.store_prefix`` into ``model.dir`` when one is set."""
+    prefix, model_dir = config.model.store_prefix, config.model.dir
+    if prefix is None or model_dir is None:
+        return
+    from services.model_source import sync_model
+    from services.objectstore import open_store
+
+    if sync_model(open_store(config.object_store), prefix, model_dir):
+        log.info("model synced from %s into %s", prefix, model_dir)
+    else:
+        log.info("model at %s is the one under %s", model_dir, prefix)
 
 
 def main(service: ServiceName, argv: list[str] | None = None) -> int:

@@ -18,12 +18,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.config import (
     AuthConfig,
     EndpointsConfig,
     LauncherConfig,
+    ModelConfig,
     ObjectStoreConfig,
     RedisConfig,
     RunConfig,
@@ -48,6 +49,9 @@ class EtudeConfig(StrictModel):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Telemetry.")
     endpoints: EndpointsConfig = Field(default_factory=EndpointsConfig, description="Addresses.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis.")
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="The base model every service shares."
+    )
     object_store: ObjectStoreConfig = Field(
         default_factory=ObjectStoreConfig, description="Object store."
     )
@@ -64,6 +68,25 @@ class EtudeConfig(StrictModel):
     launcher: LauncherConfig = Field(
         default_factory=LauncherConfig, description="Local launcher (`etude run`)."
     )
+
+    @model_validator(mode="after")
+    def _one_model(self) -> EtudeConfig:
+        """``model.dir`` is the one model of the run: the inference engine serves it (and the
+        trainer and envs, which default to the engine's directory, read it). Naming another
+        there is an error, not a choice."""
+        if self.model.dir is None:
+            if self.model.store_prefix is not None:
+                raise ValueError("model.store_prefix needs model.dir: where to sync the model")
+            return self
+        engine = self.inference.engine
+        if "model_dir" in engine.model_fields_set and engine.model_dir != self.model.dir:
+            raise ValueError(
+                f"model.dir ({self.model.dir}) and inference.engine.model_dir "
+                f"({engine.model_dir}) name two models; set model.dir only"
+            )
+        if engine.model_dir != self.model.dir:
+            engine.model_dir = self.model.dir
+        return self
 
     def redacted_json(self) -> str:
         """The resolved config as JSON, secrets masked, for the start-up log."""
