@@ -34,6 +34,7 @@ from services.envs.families.synthetic import make_task
 from services.envs.faults import INFRA_PREFIX, InfraFault, InfraKind, check_infra
 from services.envs.grading import grade_files
 from services.envs.sandbox import SandboxConfig, make_sandbox
+from services.envs.tools import ToolCall, Tools
 from services.envs.workspace import Workspaces
 from services.reconciler.client import ReconcilerClient
 from services.wire.client import make_channel
@@ -83,7 +84,8 @@ def program_task(source: str, timeout_s: float) -> tuple[common_pb2.Task, common
 @contextlib.contextmanager
 def one_busy_cpu(num_burners: int) -> Iterator[None]:
     """Pins this thread (and so the sandboxes it starts) to one CPU and keeps that CPU busy
-    with `num_burners` spinning processes, stopped by their PIDs afterwards."""
+    with `num_burners` spinning processes, stopped by their PIDs afterwards. Each burner
+    has a session of its own: with autogroup scheduling a session shares one CPU slice."""
     before = os.sched_getaffinity(0)
     cpu = max(before)
     os.sched_setaffinity(0, {cpu})
@@ -135,13 +137,12 @@ def test_a_starved_innocent_program_is_the_hosts_fault(workspaces: Workspaces) -
         "while time.process_time() - start < 0.6:\n    pass\n"
     )
     task, solution = program_task(source, timeout_s=1)
-    overloaded = timeouts("rerun_host_overloaded")
+    overloaded = timeouts("rerun_host_overloaded") + timeouts("host_overloaded")
     with one_busy_cpu(num_burners=12), pytest.raises(InfraFault) as fault:
         grade_files(workspaces, task, [solution])
     assert fault.value.kind is InfraKind.HOST_OVERLOADED
-    assert timeouts("rerun_host_overloaded") == overloaded + 1
-    # The same program on a CPU of its own passes.
-    assert grade_files(workspaces, task, [solution]).score == 1.0
+    # Judged by its re-run, or (on a machine this loaded) before its sandbox was set up.
+    assert timeouts("rerun_host_overloaded") + timeouts("host_overloaded") == overloaded + 1
 
 
 def test_exit_code_137_is_the_codes_own_not_a_kill(workspaces: Workspaces) -> None:
@@ -205,6 +206,20 @@ class SandboxKiller:
                         self.killed.append(int(pid))
                     break
             time.sleep(0.02)
+
+
+def test_an_agent_command_killed_from_outside_fails_the_attempt(workspaces: Workspaces) -> None:
+    task, _ = program_task("", timeout_s=10)
+    workspace = workspaces.create(task)
+    marker = f"etude-kill-me-{uuid.uuid4().hex[:8]}"
+    tools = Tools(workspaces, workspace.workspace_id, lambda _: common_pb2.GradeResult(), 10)
+    try:
+        assert tools.call(ToolCall("run", {"command": "exit 137"})) == "exit code 137"
+        with SandboxKiller(marker, 1), pytest.raises(InfraFault) as fault:
+            tools.call(ToolCall("run", {"command": f"sleep 5; true {marker}"}))
+        assert fault.value.kind is InfraKind.KILLED_OUTSIDE
+    finally:
+        workspaces.delete(workspace.workspace_id)
 
 
 @pytest.mark.integration

@@ -12,13 +12,15 @@ Every failed attempt of a slot is the infrastructure's (the code's faults comple
 slot with their score), so a slot's ``attempts - 1`` (``attempts`` if it died) are its
 faults and its ``last_failure`` names the last one's kind.
 
-A timeout is judged by CPU time, not wall time (``judge_timeout``): a run that timed out
-having used less CPU than its limit is re-run once in a fresh sandbox with the limit as
-its CPU-time limit (and ``JUDGE_WALL_FACTOR`` times it as wall clock). The re-run's result
-counts if it finishes; reaching the CPU limit is the code's loop; running out of wall
-time again is the host's fault if the program was starved (it waited for a CPU longer
-than it ran, and asked for one at least a quarter of the time), and otherwise the code's:
-a program that sleeps or blocks past its limit, in two sandboxes, scores 0.
+A timeout is judged by CPU time, not wall time (``judge_first``, ``judge_rerun``): a run
+that timed out having used less than 90 % of its limit as CPU is re-run once in a fresh
+sandbox with the limit as its CPU-time limit (and ``JUDGE_WALL_FACTOR`` times it as wall
+clock). The re-run's result counts if it finishes; reaching the CPU limit is the code's
+loop; running out of wall time again is the host's fault if the program was starved (in
+the last quarter of its wall clock its threads waited on the run queue longer than they
+ran, and ran or waited at least half that time), and otherwise the code's: a program
+that sleeps or blocks past its limit, in two sandboxes, scores 0. A sandbox that the
+host could not even set up before the wall clock ran out is the host's too.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ INFRA_PREFIX = "infra:"
 # A first run that used this share of its wall time as CPU was not starved: its timeout
 # is its own, with no re-run.
 UNSTARVED_CPU_SHARE = 0.9
-# A run is starved when it asked for a CPU (ran or waited) at least this share of its wall
-# time and waited longer than it ran.
-STARVED_DEMAND_SHARE = 0.25
+# A run is starved when, in the watched end of its wall clock, its threads asked for a CPU
+# (ran or waited on the run queue) at least this share of the time and waited longer than
+# they ran.
+STARVED_DEMAND_SHARE = 0.5
 
 
 class InfraKind(enum.StrEnum):
@@ -71,27 +74,38 @@ class Verdict(enum.Enum):
 
 @dataclass(frozen=True)
 class Judgement:
-    """A verdict and the figures it rests on (kept for logs and failure reasons)."""
+    """A verdict and the run it rests on (its figures go to logs and failure reasons)."""
 
     verdict: Verdict
-    cpu_s: float
-    wait_s: float
-    wall_s: float
+    outcome: ExecOutcome
 
     def describe(self) -> str:
-        return (
-            f"cpu {self.cpu_s:.2f} s, waited for a CPU {self.wait_s:.2f} s in {self.wall_s:.2f} s"
-        )
+        run = self.outcome
+        text = f"cpu {run.cpu_s:.2f} s in {run.wall_s:.2f} s"
+        if run.tail_s:
+            text += (
+                f"; in its last {run.tail_s:.2f} s ran {run.tail_run_s:.2f} s and waited for "
+                f"a CPU {run.tail_wait_s:.2f} s"
+            )
+        return text
 
 
 def starved(outcome: ExecOutcome) -> bool:
-    """Whether the run wanted a CPU it did not get (not a program sleeping or blocked)."""
-    demand = outcome.cpu_s + outcome.wait_s
-    return outcome.wait_s > outcome.cpu_s and demand >= STARVED_DEMAND_SHARE * outcome.wall_s
+    """Whether the run, as its wall clock ran out, wanted a CPU it did not get (a program
+    sleeping or blocked neither runs nor waits on the run queue)."""
+    demand = outcome.tail_run_s + outcome.tail_wait_s
+    return (
+        outcome.tail_wait_s > outcome.tail_run_s and demand >= STARVED_DEMAND_SHARE * outcome.tail_s
+    )
 
 
 def check_infra(outcome: ExecOutcome) -> None:
     """Raises InfraFault when the sandbox, not the code, ended the run."""
+    if not outcome.started and outcome.timed_out:
+        raise InfraFault(
+            InfraKind.HOST_OVERLOADED,
+            f"timed out before the sandbox was set up ({outcome.wall_s:.2f} s)",
+        )
     if not outcome.started:
         detail = outcome.stderr.decode(errors="replace").strip()[-200:]
         raise InfraFault(InfraKind.SANDBOX_START, detail or "the sandbox did not start")
@@ -106,23 +120,23 @@ def judge_first(outcome: ExecOutcome, limit_s: float) -> Judgement:
     if outcome.timed_out:
         used_cpu = outcome.cpu_s >= UNSTARVED_CPU_SHARE * limit_s
         verdict = Verdict.CODE_LOOP if used_cpu else Verdict.RERUN
-    return Judgement(verdict, outcome.cpu_s, outcome.wait_s, outcome.wall_s)
+    return Judgement(verdict, outcome)
 
 
 def judge_rerun(outcome: ExecOutcome, cpu_limit_s: float) -> Judgement:
     """The verdict on the re-run of a timeout under a `cpu_limit_s` CPU-time limit
     (raises InfraFault, HOST_OVERLOADED when it was starved again)."""
     check_infra(outcome)
-    judgement = Judgement(Verdict.RAN, outcome.cpu_s, outcome.wait_s, outcome.wall_s)
     if outcome.cpu_s >= cpu_limit_s or outcome.killed_by == "rlimit_cpu":
-        return Judgement(Verdict.CODE_LOOP, outcome.cpu_s, outcome.wait_s, outcome.wall_s)
+        return Judgement(Verdict.CODE_LOOP, outcome)
     if not outcome.timed_out:
-        return judgement
+        return Judgement(Verdict.RAN, outcome)
     if starved(outcome):
+        description = Judgement(Verdict.RAN, outcome).describe()
         raise InfraFault(
-            InfraKind.HOST_OVERLOADED, f"timed out twice, starved of CPU: {judgement.describe()}"
+            InfraKind.HOST_OVERLOADED, f"timed out twice, starved of CPU: {description}"
         )
-    return Judgement(Verdict.CODE_STALLED, outcome.cpu_s, outcome.wait_s, outcome.wall_s)
+    return Judgement(Verdict.CODE_STALLED, outcome)
 
 
 def infra_kind(error: BaseException) -> InfraKind:

@@ -242,7 +242,12 @@ def _run_judged(
     outcome = sandbox.run(root, command, stdin=stdin, env=GRADING_ENV, wall_s=limit_s)
     # The sandbox's own wall clock may be shorter than the spec's limit.
     limit_s = min(limit_s, sandbox.config.wall_s)
-    first = faults.judge_first(outcome, limit_s)
+    try:
+        first = faults.judge_first(outcome, limit_s)
+    except faults.InfraFault as fault:
+        if outcome.timed_out:  # it timed out before the host had set the sandbox up
+            metrics.GRADING_TIMEOUTS.labels(fault.kind).inc()
+        raise
     if first.verdict is faults.Verdict.CODE_LOOP:
         metrics.GRADING_TIMEOUTS.labels("code_loop").inc()
     if first.verdict is not faults.Verdict.RERUN:

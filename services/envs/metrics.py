@@ -59,9 +59,9 @@ for _kind in InfraKind:
 GRADING_TIMEOUTS = Counter(
     "etude_envs_grading_timeouts",
     "Gradings that ran out of wall time, by verdict: code_loop (it used its CPU: no re-run), "
-    "or rerun_<verdict> of the one re-run judged by CPU time (ran: the host had starved it; "
-    "code_loop; code_stalled: it slept or blocked; host_overloaded, killed_outside, "
-    "sandbox_start: retried).",
+    "host_overloaded (the sandbox was not even set up: retried), or rerun_<verdict> of the "
+    "one re-run judged by CPU time (ran: the host had starved it; code_loop; code_stalled: "
+    "it slept or blocked; host_overloaded, killed_outside, sandbox_start: retried).",
     ["verdict"],
 )
 ERRORS = Counter(

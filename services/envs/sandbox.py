@@ -11,12 +11,12 @@ read (a flood cannot fill the worker's memory).
 
 Each outcome also carries what ``services.envs.faults`` needs to tell the code's failures
 from the infrastructure's: whether the sandbox started at all, the CPU seconds the
-command's process tree used, how long its processes waited for a CPU (run-queue delay,
-read at a timeout), and whether a signal from outside the sandbox ended it. The last is
-exact under bubblewrap: the command is pid 1 of its PID namespace, which nothing inside
-the namespace can kill with SIGKILL (or with any signal it has no handler for), and its
-real wait status comes from a pidfd (``PIDFD_INFO_EXIT``), so ``exit(137)`` is not
-mistaken for a kill.
+command's process tree used, how long its threads ran and waited on the run queue in the
+last quarter of a run that timed out, and whether a signal from outside the sandbox
+ended it. The last is exact under bubblewrap: the command is pid 1 of its PID
+namespace, which nothing inside the namespace can kill with SIGKILL (or with any signal
+it has no handler for), and its real wait status comes from a pidfd
+(``PIDFD_INFO_EXIT``), so ``exit(137)`` is not mistaken for a kill.
 
 Without bubblewrap, untrusted code is refused unless ``allow_unsafe_local`` is set
 (then commands run as plain subprocesses with the same rlimits: for trusted tests only).
@@ -51,6 +51,8 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 # A run given its own CPU limit (a timeout judged by CPU time) gets this many times that
 # limit as its wall clock: an innocent program must get a third of a CPU to be judged.
 JUDGE_WALL_FACTOR = 3
+# The final share of a run's wall clock in which its threads' scheduling is sampled.
+TAIL_SHARE = 0.25
 
 
 class SandboxConfig(StrictModel):
@@ -90,9 +92,12 @@ class ExecOutcome:
     wall_s: float
     # CPU seconds (user + system) of the command and the descendants reaped in it.
     cpu_s: float = 0.0
-    # Seconds the sandbox's live processes spent runnable but waiting for a CPU (read
-    # only when the wall clock ran out: starvation by the host, not the command's sleep).
-    wait_s: float = 0.0
+    # When the wall clock ran out (0 otherwise): the last TAIL_SHARE of the run, and the
+    # seconds the sandbox's threads ran and waited on the run queue for a CPU in it.
+    # A starved program waits; a sleeping or blocked one does neither.
+    tail_s: float = 0.0
+    tail_run_s: float = 0.0
+    tail_wait_s: float = 0.0
     # False when the sandbox never ran the command (setup failed, fork refused).
     started: bool = True
     # A signal sent from outside the sandbox (not our timeout, not the CPU limit) ended it.
@@ -227,16 +232,29 @@ def _tree(pid: int) -> list[int]:
     return tree
 
 
-def _run_queue_wait_s(pid: int) -> float:
-    """Seconds the threads of `pid`'s live process tree spent runnable, waiting for a CPU
-    (the second field of /proc/<pid>/task/<tid>/schedstat)."""
-    waited_ns = 0
+def _schedstats(pid: int) -> dict[str, tuple[int, int]]:
+    """{thread id: (ns on a CPU, ns runnable waiting for one)} of `pid`'s live process
+    tree (/proc/<pid>/task/<tid>/schedstat)."""
+    stats: dict[str, tuple[int, int]] = {}
     for process in _tree(pid):
         with contextlib.suppress(OSError, ValueError, IndexError):
             for task in os.listdir(f"/proc/{process}/task"):
-                with open(f"/proc/{process}/task/{task}/schedstat") as stats:
-                    waited_ns += int(stats.read().split()[1])
-    return waited_ns / 1e9
+                with open(f"/proc/{process}/task/{task}/schedstat") as line:
+                    ran, waited = line.read().split()[:2]
+                stats[task] = (int(ran), int(waited))
+    return stats
+
+
+def _ran_and_waited_s(
+    before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]
+) -> tuple[float, float]:
+    """Seconds run and waited for a CPU between two samples, over the threads of `after`."""
+    ran = waited = 0
+    for task, (ran_after, waited_after) in after.items():
+        ran_before, waited_before = before.get(task, (0, 0))
+        ran += ran_after - ran_before
+        waited += waited_after - waited_before
+    return ran / 1e9, waited / 1e9
 
 
 def _kill_children(pid: int) -> None:
@@ -387,11 +405,19 @@ class Sandbox(abc.ABC):
             process.stdin.close()
         except BrokenPipeError:
             pass
-        usage = _reap(process, max(wall - (time.perf_counter() - started), 0.0))
+        # The last TAIL_SHARE of the wall clock is watched: what the sandbox's threads did
+        # in it tells a starved command from a sleeping one (services.envs.faults).
+        tail_at = started + wall * (1 - TAIL_SHARE)
+        usage = _reap(process, max(tail_at - time.perf_counter(), 0.0))
+        tail_s = tail_run_s = tail_wait_s = 0.0
+        if usage is None:
+            tail_started, before = time.perf_counter(), _schedstats(process.pid)
+            usage = _reap(process, max(started + wall - time.perf_counter(), 0.0))
+            if usage is None:
+                tail_run_s, tail_wait_s = _ran_and_waited_s(before, _schedstats(process.pid))
+                tail_s = time.perf_counter() - tail_started
         timed_out = usage is None
-        wait_s = 0.0
         if timed_out:
-            wait_s = _run_queue_wait_s(process.pid)
             # The command first: its sandbox parent then reaps it and exits, so no
             # orphan is left for init to reap (an unreaped zombie still counts
             # against the uid's RLIMIT_NPROC).
@@ -443,7 +469,9 @@ class Sandbox(abc.ABC):
             stderr_truncated=outputs["err"][1][0],
             wall_s=time.perf_counter() - started,
             cpu_s=cpu_used,
-            wait_s=wait_s,
+            tail_s=tail_s,
+            tail_run_s=tail_run_s,
+            tail_wait_s=tail_wait_s,
             started=sandbox_started,
             killed_outside=killed_outside,
         )
