@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.api.v1 import common_pb2
+from services.envs import faults
 from services.envs.sandbox import ExecOutcome
 from services.envs.workspace import WorkspaceError, Workspaces
 
@@ -138,6 +139,9 @@ class Tools:
             ["sh", "-c", command],
             wall_s=self.command_timeout_s,
         )
+        # A sandbox that did not start or was killed from outside is the host's doing: the
+        # rollout is retried rather than the agent shown what its command never did.
+        faults.check_infra(outcome)
         return _outcome_text(outcome)
 
     def _run_tests(self) -> str:
