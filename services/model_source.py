@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.objectstore import ObjectNotFound, ObjectStore
@@ -45,22 +45,42 @@ class ModelSourceError(RuntimeError):
     """The model could not be brought from its source, or two sources disagree."""
 
 
+class ModelMismatch(ModelSourceError):
+    """Trainer and inference hold different models (architecture or tokenizer)."""
+
+
 @dataclass(frozen=True)
 class Fingerprint:
-    """What trainer and inference must agree on: architecture and tokenizer, hashed."""
+    """What trainer and inference must agree on: architecture and tokenizer, hashed
+    (``where``: the directory it was taken of, for messages; not compared)."""
 
     architecture: str
     tokenizer: str
+    where: str = field(default="", compare=False)
 
     def __str__(self) -> str:
-        return f"architecture {self.architecture[:12]}, tokenizer {self.tokenizer[:12]}"
+        place = f"{self.where}: " if self.where else ""
+        return f"{place}architecture {self.architecture[:12]}, tokenizer {self.tokenizer[:12]}"
 
     def to_dict(self) -> dict[str, str]:
-        return {"architecture": self.architecture, "tokenizer": self.tokenizer}
+        return {"architecture": self.architecture, "tokenizer": self.tokenizer, "where": self.where}
 
     @classmethod
     def from_dict(cls, data: dict[str, str]) -> Fingerprint:
-        return cls(architecture=str(data["architecture"]), tokenizer=str(data["tokenizer"]))
+        return cls(
+            architecture=str(data["architecture"]),
+            tokenizer=str(data["tokenizer"]),
+            where=str(data.get("where", "")),
+        )
+
+    def require_same(self, theirs: Fingerprint, what: str) -> None:
+        """Raises ModelMismatch naming both models unless `theirs` is this one."""
+        if theirs != self:
+            raise ModelMismatch(
+                f"{what} comes from another model ({theirs}) than this one ({self}): "
+                "trainer and inference must start from the same model (model.dir, "
+                "model.store_prefix)"
+            )
 
 
 def fingerprint(model_dir: Path) -> Fingerprint:
@@ -71,15 +91,15 @@ def fingerprint(model_dir: Path) -> Fingerprint:
     config = json.loads(config_file.read_text())
     architecture = {k: v for k, v in config.items() if k not in _NOT_ARCHITECTURE}
     tokenizer = hashlib.sha256()
-    found = [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
-    if not found:
-        raise ModelSourceError(f"{model_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
-    for name in found:
+    # A directory without tokenizer files (weights only) hashes as the empty set: it
+    # matches no served model, which always has a tokenizer.
+    for name in (name for name in TOKENIZER_FILES if (model_dir / name).is_file()):
         tokenizer.update(f"{name}\0".encode())
         tokenizer.update(hashlib.sha256((model_dir / name).read_bytes()).digest())
     return Fingerprint(
         architecture=hashlib.sha256(json.dumps(architecture, sort_keys=True).encode()).hexdigest(),
         tokenizer=tokenizer.hexdigest(),
+        where=str(model_dir),
     )
 
 
@@ -93,7 +113,9 @@ def _files(model_dir: Path) -> list[Path]:
 
 def push_model(store: ObjectStore, model_dir: Path, prefix: str) -> int:
     """Uploads every file of `model_dir` under `prefix`, the file list last; returns bytes."""
-    fingerprint(model_dir)  # an HF-layout model with a tokenizer, or refuse before uploading
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelSourceError(f"{model_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    fingerprint(model_dir)  # an HF-layout model, or refuse before uploading
     listing: dict[str, dict[str, int | str]] = {}
     total = 0
     for relative in _files(model_dir):

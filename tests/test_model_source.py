@@ -95,7 +95,7 @@ def test_the_fingerprint_is_architecture_and_tokenizer(tiny_model: Path, tmp_pat
     (copy / "tokenizer_config.json").write_text("{}")
     changed = fingerprint(copy)
     assert changed.architecture == base.architecture and changed.tokenizer != base.tokenizer
-    assert str(base).startswith(f"architecture {base.architecture[:12]}, tokenizer ")
+    assert str(base).startswith(f"{tiny_model}: architecture {base.architecture[:12]}, tokenizer ")
 
 
 def test_one_model_directory_for_every_service(tiny_model: Path, tmp_path: Path) -> None:
@@ -128,3 +128,49 @@ def test_one_model_directory_for_every_service(tiny_model: Path, tmp_path: Path)
     bring_model(synced)
     assert fingerprint(pod_dir) == fingerprint(tiny_model)
     assert (tmp_path / "store" / PREFIX / FILE_LIST).is_file()
+
+
+def _another(tiny_model: Path, tmp_path: Path) -> Path:
+    """The tiny model with one more expert: another architecture, the same tokenizer."""
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_experts": 99}))
+    return other
+
+
+async def test_trainer_and_inference_refuse_each_others_other_model(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Every version names the model it was trained from; a replica of another model
+    refuses it, and so does a trainer started on another model for the run's versions,
+    each message naming both models."""
+    from services.config import WeightsConfig
+    from services.model_source import ModelMismatch
+    from services.objectstore.local import FileObjectStore
+    from services.weights.publisher import WeightPublisher
+    from services.weights.subscriber import WeightSubscriber
+    from tests.test_supervised_publishers import DictRuntime, weights
+
+    store = FileObjectStore(tmp_path / "store")
+    config = WeightsConfig(collect_garbage=False)
+    ours, theirs = fingerprint(tiny_model), fingerprint(_another(tiny_model, tmp_path))
+    publisher = WeightPublisher(store, "run", config, model=ours)
+    try:
+        publisher.publish(weights(1), 1).result(timeout=30)
+    finally:
+        publisher.close()
+    loaded = WeightSubscriber(store, "run", config, ours).load(1)
+    assert float(loaded["layer.weight"][0, 0]) == 1.0
+    with pytest.raises(ModelMismatch) as refused:
+        WeightSubscriber(store, "run", config, theirs).load(1)
+    message = str(refused.value)
+    assert "policy version 1" in message and str(ours) in message and str(theirs) in message
+
+    from services.trainer.publishing import PolicyPublisher
+
+    with pytest.raises(ModelMismatch, match="the run's version 1"):
+        PolicyPublisher(store, "run", config, None, DictRuntime(), theirs)
+    same = PolicyPublisher(store, "run", config, None, DictRuntime(), ours)
+    assert same.already_published == 1
+    same.close()

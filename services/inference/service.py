@@ -22,6 +22,7 @@ from services.inference import metrics, validation
 from services.inference.engine import Engine
 from services.inference.updates import WeightFollower
 from services.messages import validate_version_notice
+from services.model_source import fingerprint
 from services.objectstore import open_store
 from services.reconciler.client import ReconcilerClient
 from services.run_config import EtudeConfig
@@ -161,8 +162,12 @@ class InferenceService(Service):
         self.engine = engine if engine is not None else Engine(config.inference.engine)
         self.follower: WeightFollower | None = None
         if config.inference.follow_weights:
+            # Versions trained from another model (architecture, tokenizer) are refused,
+            # naming both. (An engine given by a test may have no model directory.)
+            model_dir = config.inference.engine.model_dir
+            model = fingerprint(model_dir) if (model_dir / "config.json").is_file() else None
             subscriber = WeightSubscriber(
-                open_store(config.object_store), config.run.name, config.weights
+                open_store(config.object_store), config.run.name, config.weights, model
             )
             self.follower = WeightFollower(self.engine, subscriber)
 

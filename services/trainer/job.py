@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from services.api.v1 import reconciler_pb2
+from services.model_source import fingerprint
 from services.objectstore.base import ObjectStore
 from services.reconciler.client import ReconcilerClient
 from services.run_config import EtudeConfig
@@ -125,7 +126,9 @@ class TrainingJob:
         planner = runtime.planner(job, learner.model)
         checkpoints = open_checkpoints(config, store, runtime)
         resumed = cls._resume(checkpoints, learner, model_dir)
-        publisher = PolicyPublisher(store, config.run.name, config.weights, reconciler, runtime)
+        publisher = PolicyPublisher(
+            store, config.run.name, config.weights, reconciler, runtime, fingerprint(model_dir)
+        )
         parts = (learner, planner, checkpoints, publisher, store, resumed)
         return cls(config, job, reconciler, runtime, *parts)
 

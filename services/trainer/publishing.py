@@ -30,12 +30,13 @@ from grpc import aio
 
 from services.api.v1 import common_pb2
 from services.config import WeightsConfig
+from services.model_source import Fingerprint
 from services.objectstore.base import ObjectStore
 from services.reconciler.client import ReconcilerClient
 from services.trainer import metrics
 from services.trainer.model import Qwen3MoE
 from services.trainer.runtime import TrainerRuntime
-from services.weights.manifest import Layout, read_latest
+from services.weights.manifest import Layout, read_latest, read_manifest
 from services.weights.publisher import PublishResult, WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -58,15 +59,21 @@ class PolicyPublisher:
         config: WeightsConfig,
         reconciler: ReconcilerClient | None,
         runtime: TrainerRuntime,
+        model: Fingerprint | None = None,
     ) -> None:
         self.layout = Layout(run)
         self.reconciler = reconciler if runtime.is_leader else None
         self.runtime = runtime
         self.publisher = WeightPublisher(
-            store, run, config, shard=runtime.rank, num_shards=runtime.world_size
+            store, run, config, shard=runtime.rank, num_shards=runtime.world_size, model=model
         )
         # Read once at start, so the same on every rank.
         latest = read_latest(store, self.layout)
+        if latest is not None and model is not None:
+            # A run's versions all come from one model: a trainer started on another refuses.
+            published = read_manifest(store, self.layout, latest).model
+            if published is not None:
+                model.require_same(Fingerprint.from_dict(published), f"the run's version {latest}")
         self.already_published = -1 if latest is None else latest
         self.last_published_version = max(self.already_published, 0)
         self.last_announced_version = 0

@@ -78,6 +78,11 @@ class Manifest(BaseModel):
     stored_bytes: int = Field(ge=0)
     objects: list[ObjectEntry]
     tensors: list[TensorEntry]
+    model: dict[str, str] | None = Field(
+        None,
+        description="Fingerprint of the model it was trained from (services.model_source): "
+        "a replica of another model refuses it. None in versions from before it was kept.",
+    )
 
     @property
     def base_versions(self) -> set[int]:

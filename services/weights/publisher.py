@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from services.config import WeightsConfig
+from services.model_source import Fingerprint
 from services.objectstore.base import ObjectStore, ObjectStoreError
 from services.weights import codec, metrics
 from services.weights.manifest import (
@@ -92,6 +93,7 @@ class WeightPublisher:
         *,
         shard: int = 0,
         num_shards: int = 1,
+        model: Fingerprint | None = None,
     ) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} is outside [0, num_shards={num_shards})")
@@ -100,6 +102,7 @@ class WeightPublisher:
         self.config = config
         self.shard = shard
         self.num_shards = num_shards
+        self.model = model  # recorded in every manifest: replicas of another model refuse it
         # At most one version waits while one is encoded and uploaded: publish() blocks
         # beyond that, which is the backpressure training feels if uploads fall behind.
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
@@ -268,6 +271,7 @@ class WeightPublisher:
             stored_bytes=sum(o.size for p in parts for o in p.objects),
             objects=[o for part in parts for o in part.objects],
             tensors=tensors,
+            model=self.model.to_dict() if self.model is not None else None,
         )
         self.store.put(self.layout.manifest(job.version), manifest.model_dump_json().encode())
         latest = read_latest(self.store, self.layout)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from services.config import WeightsConfig
+from services.model_source import Fingerprint
 from services.objectstore.base import ObjectNotFound, ObjectStore, ObjectStoreError
 from services.weights import codec, metrics
 from services.weights.manifest import Layout, Manifest, WeightsError, read_latest, read_manifest
@@ -34,10 +35,17 @@ State = dict[str, np.ndarray]
 class WeightSubscriber:
     """Holds the newest loaded version and turns later versions into full tensors."""
 
-    def __init__(self, store: ObjectStore, run: str, config: WeightsConfig) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        run: str,
+        config: WeightsConfig,
+        model: Fingerprint | None = None,
+    ) -> None:
         self.store = store
         self.layout = Layout(run)
         self.config = config
+        self.model = model  # a version trained from another model is refused (ModelMismatch)
         self.version: int | None = None
         self._state: State = {}
         self._shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -82,6 +90,9 @@ class WeightSubscriber:
                 if version == target:
                     raise
                 raise WeightsError(f"version {target} needs version {version}: {error}") from error
+            if self.model is not None and manifest.model is not None:
+                theirs = Fingerprint.from_dict(manifest.model)
+                self.model.require_same(theirs, f"policy version {version}")
             manifests[version] = manifest
             pending.extend(manifest.base_versions)
         return manifests
