@@ -392,10 +392,8 @@ class Sandbox(abc.ABC):
             reader.start()
         command_pidfd = None
         if reads:
-            try:
-                child_pid = _read_child_pid(reads[0], wall)
-            finally:
-                os.close(reads[0])
+            # Kept open until the end: bwrap dies of SIGPIPE if it writes to a closed pipe.
+            child_pid = _read_child_pid(reads[0], wall)
             if child_pid is not None:
                 with contextlib.suppress(ProcessLookupError):  # it has already exited
                     command_pidfd = os.pidfd_open(child_pid)
@@ -432,9 +430,13 @@ class Sandbox(abc.ABC):
             reader.join(timeout=5)
         sandbox_started = True
         if reads:
-            # Every writer has exited (bwrap holds it too): this never blocks.
-            sandbox_started = os.read(reads[1], 1) == b"x"
-            os.close(reads[1])
+            os.set_blocking(reads[1], False)  # every writer has exited, but never wait
+            try:
+                sandbox_started = os.read(reads[1], 1) == b"x"
+            except BlockingIOError:
+                sandbox_started = False
+            for fd in reads:
+                os.close(fd)
         command_status = None
         if command_pidfd is not None:
             command_status = _exit_status(command_pidfd)
