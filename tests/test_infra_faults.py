@@ -31,7 +31,13 @@ from services.api.v1 import common_pb2, reconciler_pb2
 from services.envs import sandbox as sandbox_module
 from services.envs.families import RUNNER_PATH
 from services.envs.families.synthetic import make_task
-from services.envs.faults import INFRA_PREFIX, InfraFault, InfraKind, check_infra
+from services.envs.faults import (
+    INFRA_PREFIX,
+    InfraFault,
+    InfraKind,
+    check_infra,
+    slot_faults,
+)
 from services.envs.grading import grade_files
 from services.envs.sandbox import SandboxConfig, make_sandbox
 from services.envs.tools import ToolCall, Tools
@@ -167,6 +173,29 @@ def test_a_sandbox_that_cannot_start_is_the_hosts_fault(tmp_path: Path) -> None:
     assert fault.value.kind is InfraKind.SANDBOX_START
 
 
+def test_slot_faults_count_every_failed_attempt() -> None:
+    complete, dead = reconciler_pb2.SLOT_STATE_COMPLETE, reconciler_pb2.SLOT_STATE_DEAD
+    cases = [
+        (reconciler_pb2.SlotInfo(state=complete, attempts=1), (0, "")),
+        (
+            reconciler_pb2.SlotInfo(
+                state=complete, attempts=3, last_failure="infra:host_overloaded: starved"
+            ),
+            (2, "host_overloaded"),
+        ),
+        (
+            reconciler_pb2.SlotInfo(state=dead, attempts=3, last_failure="lease expired"),
+            (3, "lease_expired"),
+        ),
+        (
+            reconciler_pb2.SlotInfo(state=dead, attempts=1, last_failure="record corrupt"),
+            (1, "other"),
+        ),
+    ]
+    for slot, expected in cases:
+        assert slot_faults(slot) == expected
+
+
 class SandboxKiller:
     """Kills, from outside, the first `num_kills` grading sandboxes whose command line
     carries `marker` (their pid 1: the whole sandbox goes), as the OOM killer would."""
@@ -269,6 +298,10 @@ def test_sandboxes_killed_from_outside_are_retried_never_trained(
     retried = [s for s in group.slots if s.attempts > 1]
     assert sum(s.attempts - 1 for s in group.slots) == num_kills
     assert all(s.last_failure.startswith(f"{INFRA_PREFIX}killed_outside:") for s in retried)
+    # What the trainer reads for the step's fault rate.
+    faults = [slot_faults(s) for s in group.slots]
+    assert sum(n for n, _ in faults) == num_kills
+    assert {kind for n, kind in faults if n} == {"killed_outside"}
     attempts = {r.sample_index: r.rollout_id.rsplit("-a", 1)[1] for r in group.rollouts}
     assert {s.sample_index: str(s.attempts) for s in group.slots} == attempts
     # Counted once per faulted attempt.

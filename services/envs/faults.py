@@ -30,10 +30,13 @@ from dataclasses import dataclass
 
 from grpc import aio
 
+from services.api.v1 import reconciler_pb2
 from services.envs.sandbox import ExecOutcome
 from services.objectstore.base import ObjectStoreError
 
 INFRA_PREFIX = "infra:"
+# The reconciler's reason for an attempt whose worker died or stalled (its lease expired).
+LEASE_EXPIRED = "lease expired"
 # A first run that used this share of its wall time as CPU was not starved: its timeout
 # is its own, with no re-run.
 UNSTARVED_CPU_SHARE = 0.9
@@ -155,3 +158,21 @@ def failure_reason(error: BaseException) -> str:
     kind = infra_kind(error)
     detail = error.detail if isinstance(error, InfraFault) else f"{type(error).__name__}: {error}"
     return f"{INFRA_PREFIX}{kind}: {detail}"[:500]
+
+
+def slot_faults(slot: reconciler_pb2.SlotInfo) -> tuple[int, str]:
+    """(faulted attempts, kind of the last fault) of a slot of a pulled group.
+
+    Every failed attempt is the infrastructure's, so a completed slot's faults are its
+    attempts but one and a dead slot's all of them. Only the last reason is kept: the
+    kind is an ``InfraKind`` value, "lease_expired", or "other" (e.g. a record the
+    trainer handed back); "" when the slot had no fault.
+    """
+    num_faults = slot.attempts - (slot.state == reconciler_pb2.SLOT_STATE_COMPLETE)
+    if num_faults <= 0:
+        return 0, ""
+    reason = slot.last_failure
+    if reason.startswith(INFRA_PREFIX):
+        kind = reason[len(INFRA_PREFIX) :].split(":", 1)[0]
+        return num_faults, kind if kind in set(InfraKind) else "other"
+    return num_faults, "lease_expired" if reason == LEASE_EXPIRED else "other"
