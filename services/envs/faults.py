@@ -51,7 +51,7 @@ class InfraKind(enum.StrEnum):
 
     SANDBOX_START = "sandbox_start"  # the sandbox could not be set up, or fork failed
     KILLED_OUTSIDE = "killed_outside"  # a signal from outside the sandbox ended it
-    HOST_OVERLOADED = "host_overloaded"  # timed out twice, starved of CPU both times
+    HOST_OVERLOADED = "host_overloaded"  # starved of CPU twice, or not set up in time
     INFERENCE = "inference"  # generation failed (an RPC error from inference)
     OBJECT_STORE = "object_store"  # the rollout record could not be stored
     WORKER = "worker"  # anything else the worker raised (its own bug, not the code's)
