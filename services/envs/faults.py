@@ -30,13 +30,12 @@ from dataclasses import dataclass
 
 from grpc import aio
 
-from services.api.v1 import reconciler_pb2
 from services.envs.sandbox import ExecOutcome
 from services.objectstore.base import ObjectStoreError
+from services.slot_faults import INFRA_PREFIX, LEASE_EXPIRED, InfraKind, slot_faults
 
-INFRA_PREFIX = "infra:"
-# The reconciler's reason for an attempt whose worker died or stalled (its lease expired).
-LEASE_EXPIRED = "lease expired"
+__all__ = ["INFRA_PREFIX", "LEASE_EXPIRED", "InfraFault", "InfraKind", "slot_faults"]
+
 # A first run that used this share of its wall time as CPU was not starved: its timeout
 # is its own, with no re-run.
 UNSTARVED_CPU_SHARE = 0.9
@@ -44,17 +43,6 @@ UNSTARVED_CPU_SHARE = 0.9
 # (ran or waited on the run queue) at least this share of the time and waited longer than
 # they ran.
 STARVED_DEMAND_SHARE = 0.5
-
-
-class InfraKind(enum.StrEnum):
-    """Faults of the infrastructure, never of the code under test."""
-
-    SANDBOX_START = "sandbox_start"  # the sandbox could not be set up, or fork failed
-    KILLED_OUTSIDE = "killed_outside"  # a signal from outside the sandbox ended it
-    HOST_OVERLOADED = "host_overloaded"  # starved of CPU twice, or not set up in time
-    INFERENCE = "inference"  # generation failed (an RPC error from inference)
-    OBJECT_STORE = "object_store"  # the rollout record could not be stored
-    WORKER = "worker"  # anything else the worker raised (its own bug, not the code's)
 
 
 class InfraFault(RuntimeError):
@@ -158,21 +146,3 @@ def failure_reason(error: BaseException) -> str:
     kind = infra_kind(error)
     detail = error.detail if isinstance(error, InfraFault) else f"{type(error).__name__}: {error}"
     return f"{INFRA_PREFIX}{kind}: {detail}"[:500]
-
-
-def slot_faults(slot: reconciler_pb2.SlotInfo) -> tuple[int, str]:
-    """(faulted attempts, kind of the last fault) of a slot of a pulled group.
-
-    Every failed attempt is the infrastructure's, so a completed slot's faults are its
-    attempts but one and a dead slot's all of them. Only the last reason is kept: the
-    kind is an ``InfraKind`` value, "lease_expired", or "other" (e.g. a record the
-    trainer handed back); "" when the slot had no fault.
-    """
-    num_faults = slot.attempts - (slot.state == reconciler_pb2.SLOT_STATE_COMPLETE)
-    if num_faults <= 0:
-        return 0, ""
-    reason = slot.last_failure
-    if reason.startswith(INFRA_PREFIX):
-        kind = reason[len(INFRA_PREFIX) :].split(":", 1)[0]
-        return num_faults, kind if kind in set(InfraKind) else "other"
-    return num_faults, "lease_expired" if reason == LEASE_EXPIRED else "other"

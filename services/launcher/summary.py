@@ -85,6 +85,14 @@ class RunSummary:
     tokens_by_lag: dict[str, int] = field(default_factory=dict)
     is_ratio_by_lag: dict[str, float] = field(default_factory=dict)
     version_lag_mean: float | None = None
+    # Rollout attempts the infrastructure failed (retried, never trained) among those of
+    # the trained groups: all steps' rate, the worst step's, and by the kind of each
+    # slot's last fault (services.slot_faults).
+    rollout_attempts: int = 0
+    infra_faults: int = 0
+    infra_fault_rate: float | None = None
+    max_step_infra_fault_rate: float | None = None
+    infra_faults_by_kind: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -171,6 +179,25 @@ def lag_figures(
     return by_lag, ratios, lag_sum / num_known if num_known else None
 
 
+def infra_fault_figures(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The run's infrastructure faults from the step records that count them."""
+    records = [r for r in steps if "rollout_attempts" in r]  # older records have none
+    attempts = sum(int(r["rollout_attempts"]) for r in records)
+    faults = sum(int(r["infra_faults"]) for r in records)
+    by_kind: Counter[str] = Counter()
+    for record in records:
+        by_kind.update({k: int(v) for k, v in record.get("infra_faults_by_kind", {}).items()})
+    return {
+        "rollout_attempts": attempts,
+        "infra_faults": faults,
+        "infra_fault_rate": faults / attempts if attempts else None,
+        "max_step_infra_fault_rate": max(
+            (float(r["infra_fault_rate"]) for r in records), default=None
+        ),
+        "infra_faults_by_kind": dict(sorted(by_kind.items())),
+    }
+
+
 def summarize(run: str, shot: Snapshot, store: ObjectStore) -> RunSummary:
     """The run's figures from one final snapshot and the store."""
     steps = shot.steps
@@ -225,6 +252,7 @@ def summarize(run: str, shot: Snapshot, store: ObjectStore) -> RunSummary:
         tokens_by_lag=tokens_by_lag,
         is_ratio_by_lag=is_ratio_by_lag,
         version_lag_mean=lag_mean,
+        **infra_fault_figures(steps),
     )
 
 
@@ -375,6 +403,15 @@ def print_summary(console: Console, summary: RunSummary, report: Path | None) ->
             "importance ratio by lag",
             "  ".join(f"{lag}: {ratio:.3f}" for lag, ratio in summary.is_ratio_by_lag.items())
             or "-",
+        )
+    if summary.infra_fault_rate is not None:
+        kinds = "  ".join(f"{k}: {v}" for k, v in summary.infra_faults_by_kind.items())
+        table.add_row(
+            "infrastructure faults (retried, not trained)",
+            f"{summary.infra_faults} of {summary.rollout_attempts} attempts "
+            f"({100 * summary.infra_fault_rate:.1f}%, worst step "
+            f"{100 * (summary.max_step_infra_fault_rate or 0):.1f}%)"
+            + (f"  {kinds}" if kinds else ""),
         )
     if summary.weight_sync_bytes_ratio is not None:
         table.add_row(

@@ -38,6 +38,7 @@ from services.model_source import fingerprint
 from services.objectstore.base import ObjectStore
 from services.reconciler.client import ReconcilerClient
 from services.run_config import EtudeConfig
+from services.slot_faults import fault_counts
 from services.trainer import metrics
 from services.trainer.batch import collect_rl_items, load_groups, returned_slots
 from services.trainer.checkpoint import CheckpointInfo, Checkpoints, open_checkpoints
@@ -270,7 +271,7 @@ class TrainingJob:
         base.stats = replace(collected, items=[])  # the sequences travel in the parts
         base.group_ids = [group.group_id for group in groups]
         base.num_stale_dropped = answer.num_stale_dropped
-        base.provenance = version_provenance(groups)
+        base.provenance = version_provenance(groups) | fault_counts(groups)
         parts = self.planner.plan(collected.items, rl.microbatch_tokens)
         return [replace(base, part=part) for part in parts]
 
@@ -299,6 +300,8 @@ class TrainingJob:
         if message.provenance:
             staleness = message.provenance["staleness"]
             step_metrics["staleness_mean"] = sum(staleness) / max(len(staleness), 1)
+            # Attempts the infrastructure failed (retried, never trained): the step's share.
+            step_metrics["infra_fault_rate"] = message.provenance["infra_fault_rate"]
             record |= message.provenance
         return record
 
