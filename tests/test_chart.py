@@ -5,6 +5,7 @@ checks what users rely on: scaling, roles, probes, bad input named, alerts that 
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,71 @@ def test_rendered_config_is_what_the_services_load(tmp_path: Path) -> None:
     assert str(config.endpoints.tls_ca_file) == "/etc/etude/tls/ca.crt"
     assert config.run.name == "etude" and str(config.run.state_dir) == "/var/lib/etude"
     assert config.auth.required
+
+
+def rendered_config(manifests: list[dict[str, Any]], tmp_path: Path) -> Any:
+    from services.run_config import load_config
+
+    text = chart_check.find(manifests, "ConfigMap", "etude-config")["data"]["config.toml"]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return load_config(path, environ={"ETUDE_AUTH__TOKEN": "t"})
+
+
+def model_mounts(manifests: list[dict[str, Any]]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Per workload that mounts the model: its mount path and the model volume."""
+    found = {}
+    for manifest in manifests:
+        if manifest["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        pod = manifest["spec"]["template"]["spec"]
+        mounts = {m["name"]: m["mountPath"] for m in container(manifest)["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        if "model" in mounts:
+            found[manifest["metadata"]["name"]] = (mounts["model"], volumes["model"])
+    return found
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("examples/")], ids=str)
+def test_each_example_is_a_complete_job_on_one_model(case: str, tmp_path: Path) -> None:
+    """What `helm install` with the example runs: the trainer has its job, the reconciler a
+    task source, evals suites to score, and the trainer, inference and envs pods one model
+    (model.dir in the config, the same volume mounted over it, and a way for it to get
+    there: a synced prefix, a demo init container, or a volume that holds it)."""
+    values = CASES[case]
+    manifests = render(values)
+    config = rendered_config(manifests, tmp_path)
+    components = ("reconciler", "envs", "inference", "trainer", "evals")
+    enabled = {c: values.get(c, {}).get("enabled", True) for c in components}
+    if enabled["trainer"]:
+        assert config.trainer.job is not None and config.trainer.job.phase == "rl"
+        assert config.trainer.job.checkpoint.location in ("object_store", "local")
+    if enabled["reconciler"]:
+        assert config.reconciler.feeder is not None
+    if enabled["evals"]:
+        assert config.evals.suites and all(s.enabled for s in config.evals.suites.values())
+    model_dir = config.model.dir
+    assert model_dir is not None and config.inference.engine.model_dir == model_dir
+    mounts = model_mounts(manifests)
+    readers = {f"etude-{c}" for c in ("trainer", "inference", "envs") if enabled[c]}
+    assert set(mounts) == readers, mounts
+    assert len({json.dumps(volume, sort_keys=True) for _, volume in mounts.values()}) == 1
+    for mount_path, volume in mounts.values():
+        assert str(model_dir).startswith(mount_path.rstrip("/") + "/")
+        held = "emptyDir" not in volume  # a persistent volume that holds the model
+        assert held or config.model.store_prefix or values.get("model", {}).get("initPreset")
+
+
+def test_the_two_regions_run_one_job_on_one_model(tmp_path: Path) -> None:
+    """The training region holds the job and the feeder, the rollout region none; both
+    read the run's one model from the same prefix of the same bucket."""
+    train = rendered_config(render(CASES["examples/region-train.yaml"]), tmp_path / "t")
+    rollouts = rendered_config(render(CASES["examples/region-rollouts.yaml"]), tmp_path / "r")
+    assert train.trainer.job is not None and train.reconciler.feeder is not None
+    assert train.run.name == rollouts.run.name
+    assert train.object_store.url == rollouts.object_store.url
+    assert train.model == rollouts.model and train.model.store_prefix
 
 
 # -- scaling -----------------------------------------------------------------------
@@ -386,9 +452,10 @@ def test_pods_roll_when_the_config_changes() -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
+        ({"model": {"dir": "/elsewhere/m"}}, "must lie under model.mountPath"),
         (
-            {"config": {"inference": {"engine": {"model_dir": "/elsewhere/m"}}}},
-            "must lie under inference.model.mountPath",
+            {"model": {"initPreset": "tiny", "storePrefix": "models/m"}},
+            "two sources of the model",
         ),
         (
             {
@@ -426,6 +493,9 @@ def test_inconsistent_values_fail_with_a_reason(values: dict[str, Any], message:
         ("config:\n  reconciler:\n    max_stalenes: 1\n", "'max_stalenes'"),
         ("config:\n  redis:\n    url: redis://x:1/0\n", "'redis'"),  # the chart sets it
         ("config:\n  inference:\n    grpc:\n      port: 1\n", "'port'"),  # the chart sets it
+        ("config:\n  inference:\n    engine:\n      model_dir: /m\n", "'model_dir'"),  # model.dir
+        ("config:\n  model:\n    dir: /m\n", "'model'"),  # the top-level model values
+        ("model:\n  storePrefix: ../m\n", "/model/storePrefix"),
         ("alerts:\n  noProgress:\n    for: soon\n", "/alerts/noProgress/for"),
     ],
 )

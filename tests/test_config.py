@@ -27,6 +27,19 @@ def test_every_shipped_config_loads(path: Path) -> None:
     assert len(set(ports)) == 5 or path.name != "local.toml"
 
 
+def test_the_cluster_config_is_a_complete_job_on_one_model() -> None:
+    """A trainer job, a task source a pod can reach (the bucket), eval suites, and one
+    model that every pod syncs from the bucket."""
+    config = load_config(CONFIGS[0].parent / "cluster.toml", environ={})
+    job = config.trainer.job
+    assert job is not None and job.phase == "rl" and job.checkpoint.location == "object_store"
+    feeder = config.reconciler.feeder
+    assert feeder is not None and feeder.kind == "jsonl" and feeder.key and feeder.path is None
+    assert config.evals.suites
+    assert config.model.dir is not None and config.model.store_prefix
+    assert config.inference.engine.model_dir == config.model.dir
+
+
 def test_environment_overrides_any_field(tmp_path: Path) -> None:
     config = load_config(
         Path(CONFIGS[0].parent / "local.toml"),

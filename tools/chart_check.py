@@ -60,7 +60,8 @@ FEATURE_CASES: dict[str, dict[str, Any]] = {
     "redis-url": {"redis": {"bundled": False, "external": {"url": "redis://redis.db:6379/0"}}},
     "cpu-demo": {
         "objectStore": {"url": "file:///var/lib/etude-store", "fileClaim": "etude-store"},
-        "inference": {"gpus": 0, "model": {"initPreset": "tiny"}},
+        "model": {"initPreset": "tiny"},
+        "inference": {"gpus": 0},
         "trainer": {"gpus": 0, "torchrun": {"maxNodes": 2}},
         "config": {"inference": {"engine": {"dtype": "float32", "enforce_eager": True}}},
     },

@@ -32,8 +32,9 @@ Schema = dict[str, Any]
 # Keys of the run config the chart writes itself (addresses, listeners, secrets, paths):
 # values.yaml may not set them under `config`, so nothing is overridden silently.
 CHART_MANAGED_CONFIG = {
-    "EtudeConfig": ("endpoints", "redis", "object_store", "auth", "launcher"),
+    "EtudeConfig": ("endpoints", "redis", "object_store", "auth", "launcher", "model"),
     "RunConfig": ("state_dir",),
+    "EngineConfig": ("model_dir",),
     "GrpcServerConfig": ("port", "tls_cert_file", "tls_key_file"),
     "HttpServerConfig": ("port",),
     "TrainerConfig": ("checkpoint_dir",),
@@ -182,6 +183,15 @@ def chart_schema() -> Schema:
             ),
             fileClaim=NAME,
         ),
+        model=obj(
+            dir=string(pattern=r"^/."),
+            mountPath=string(pattern=r"^/"),
+            volume=free_object(),
+            storePrefix=string(
+                pattern=r"^$|^[A-Za-z0-9_][A-Za-z0-9._=+@,:-]*(/[A-Za-z0-9_][A-Za-z0-9._=+@,:-]*)*$"
+            ),
+            initPreset=string(enum=["", "tiny", "small"]),
+        ),
         config={"$ref": "#/$defs/EtudeConfig"},
         podSecurityContext=free_object(),
         securityContext=free_object(),
@@ -218,11 +228,6 @@ def chart_schema() -> Schema:
             gpus=integer(0),
             runtimeClassName=string(),
             shmSize=QUANTITY,
-            model=obj(
-                mountPath=string(pattern=r"^/"),
-                volume=free_object(),
-                initPreset=string(enum=["", "tiny", "small"]),
-            ),
             terminationGracePeriodSeconds=integer(1),
         ),
         trainer=component(

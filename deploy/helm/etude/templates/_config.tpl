@@ -43,6 +43,12 @@ credentials reach the pods as environment variables from Secrets.
 {{- $_ := set $store "region" . -}}
 {{- end -}}
 {{- $_ := set $managed "object_store" $store -}}
+{{- /* The one model of the run: model.dir in every pod that reads it, synced from model.storePrefix when set. */ -}}
+{{- $model := dict "dir" $ctx.Values.model.dir -}}
+{{- with $ctx.Values.model.storePrefix -}}
+{{- $_ := set $model "store_prefix" . -}}
+{{- end -}}
+{{- $_ := set $managed "model" $model -}}
 {{- toJson $managed -}}
 {{- end -}}
 

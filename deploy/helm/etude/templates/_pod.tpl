@@ -27,6 +27,14 @@ grpc:
 {{- $component := .component -}}
 {{- $values := index $ctx.Values $component -}}
 {{- $usesStore := has $component (list "envs" "inference" "trainer" "evals") -}}
+{{- $readsModel := has $component (list "envs" "inference" "trainer") -}}
+{{- $model := $ctx.Values.model -}}
+{{- if and $readsModel (not (hasPrefix (printf "%s/" (trimSuffix "/" $model.mountPath)) $model.dir)) -}}
+{{- fail (printf "model.dir (%s) must lie under model.mountPath (%s), where the model volume is mounted" $model.dir $model.mountPath) -}}
+{{- end -}}
+{{- if and $model.initPreset $model.storePrefix -}}
+{{- fail "model.initPreset and model.storePrefix are two sources of the model: set one" -}}
+{{- end -}}
 {{- $fileStore := and $usesStore (hasPrefix "file://" $ctx.Values.objectStore.url) -}}
 {{- $gpus := int (default 0 $values.gpus) -}}
 {{- $grace := int (default $ctx.Values.terminationGracePeriodSeconds $values.terminationGracePeriodSeconds) -}}
@@ -66,7 +74,7 @@ spec:
   {{- end }}
   securityContext:
     {{- toYaml (mergeOverwrite (deepCopy $ctx.Values.podSecurityContext) $values.podSecurityContext) | nindent 4 }}
-  {{- if and (eq $component "inference") $values.model.initPreset }}
+  {{- if and $readsModel $model.initPreset }}
   initContainers:
     - name: model-init
       image: {{ include "etude.image" (dict "ctx" $ctx "component" $component) }}
@@ -75,16 +83,16 @@ spec:
       args:
         - >-
           test -f "$MODEL_DIR/config.json" ||
-          etude model init --preset {{ $values.model.initPreset }} --out "$MODEL_DIR"
+          etude model init --preset {{ $model.initPreset }} --out "$MODEL_DIR"
       env:
         - name: MODEL_DIR
-          value: {{ $ctx.Values.config.inference.engine.model_dir | quote }}
+          value: {{ $model.dir | quote }}
         - name: HOME
           value: /var/lib/etude
       securityContext:
         {{- toYaml (mergeOverwrite (deepCopy $ctx.Values.securityContext) $values.securityContext) | nindent 8 }}
       volumeMounts:
-        - {name: model, mountPath: {{ $values.model.mountPath }}}
+        - {name: model, mountPath: {{ $model.mountPath }}}
         - {name: tmp, mountPath: /tmp}
         - {name: state, mountPath: /var/lib/etude}
   {{- end }}
@@ -187,8 +195,8 @@ spec:
         {{- if hasKey $values "shmSize" }}
         - {name: dshm, mountPath: /dev/shm}
         {{- end }}
-        {{- if eq $component "inference" }}
-        - {name: model, mountPath: {{ $values.model.mountPath }}, readOnly: {{ not $values.model.initPreset }}}
+        {{- if $readsModel }}
+        - {name: model, mountPath: {{ $model.mountPath }}, readOnly: {{ not (or $model.initPreset $model.storePrefix) }}}
         {{- end }}
         {{- if eq $component "trainer" }}
         - {name: checkpoints, mountPath: {{ $values.checkpoints.mountPath }}}
@@ -215,9 +223,10 @@ spec:
         medium: Memory
         sizeLimit: {{ $values.shmSize }}
     {{- end }}
-    {{- if eq $component "inference" }}
+    {{- if $readsModel }}
     - name: model
-      {{- toYaml $values.model.volume | nindent 6 }}
+      {{- /* One volume source: the values' own (Helm would merge a default into it), or an emptyDir. */}}
+      {{- toYaml (default (dict "emptyDir" dict) $model.volume) | nindent 6 }}
     {{- end }}
     {{- if and (eq $component "trainer") $values.checkpoints.existingClaim }}
     - name: checkpoints
