@@ -21,7 +21,7 @@ from services.api.v1 import common_pb2, reconciler_pb2
 from services.evals.config import EvalsConfig, SuiteConfig
 from services.evals.record import EvalRecord
 from services.evals.results import ResultsStore, result_key
-from services.evals.runner import Evaluator
+from services.evals.runner import EvalFailed, Evaluator
 from services.evals.scoring import score
 from services.evals.suites import Suite, load_suites
 from services.evals.versions import DROPPED, TaskSamples, retryable, sampled_by_only
@@ -265,6 +265,25 @@ def test_version_0_takes_more_tasks(tmp_path: Path) -> None:
         record, _ = await evaluator.request(SUITE, 0)
         assert [t.task_id for t in record.tasks] == [t.task_id for t in tasks]
         assert record.num_tasks == 4 and record.pass_at_1 == 0.5 and record.num_retried == 0
+
+    with reconciler(tmp_path) as server:
+        asyncio.run(
+            evaluate_with(server.target, server.run_name, tmp_path / "store", suite, script, check)
+        )
+
+
+def test_an_eval_with_no_sample_of_its_version_fails(tmp_path: Path) -> None:
+    suite = load_suites({SUITE: SuiteConfig(num_tasks=1, num_samples=2)})[SUITE]
+    (task,) = suite.tasks
+    # A replica stuck on version 0: both samples and both rounds of retries are its.
+    script: dict[str, Sequence[Sample]] = {task.task_id: [(0, 0, True)] * 6}
+
+    async def check(evaluator: Evaluator, worker: ScriptedWorker) -> None:
+        with pytest.raises(
+            EvalFailed, match=r"4 samples retried; left out, by version: \{'v0': 2\}"
+        ):
+            await evaluator.request(SUITE, 1)
+        assert await evaluator.results.load(SUITE, 1) is None
 
     with reconciler(tmp_path) as server:
         asyncio.run(
