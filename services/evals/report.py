@@ -145,7 +145,11 @@ def _versions_table(records: Sequence[EvalRecord]) -> str:
         rows.append(
             [
                 r.policy_version,
-                f"v{by.min_version}-v{by.max_version}",
+                (
+                    f"v{by.min_version}"
+                    if by.min_version == by.max_version
+                    else f"v{by.min_version}-v{by.max_version}"
+                ),
                 r.num_tasks,
                 r.num_samples,
                 _with_interval(r.pass_at_1, r.pass_at_1_interval),
