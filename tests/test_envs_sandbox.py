@@ -16,18 +16,25 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
 from services.api.v1 import common_pb2
 from services.config import MIB
 from services.envs.sandbox import (
+    BubblewrapSandbox,
     Sandbox,
     SandboxConfig,
     SandboxUnavailable,
     make_sandbox,
 )
 from services.envs.workspace import WorkspaceError, Workspaces
+
+Backend = Literal["bubblewrap", "pod"]
+# The per-command limits every backend keeps (the pod backend has no namespaces: what
+# rests on them, network, mounts, pid namespace, is bubblewrap's alone).
+BACKENDS = pytest.mark.parametrize("backend", ["bubblewrap", "pod"])
 
 
 @pytest.fixture
@@ -205,8 +212,9 @@ def test_host_processes_are_invisible_and_cannot_be_signalled(root: Path) -> Non
     _assert_still_serves(sandbox, workspace)
 
 
-def test_memory_is_capped(root: Path) -> None:
-    sandbox = make_sandbox(SandboxConfig(memory_bytes=256 * MIB))
+@BACKENDS
+def test_memory_is_capped(root: Path, backend: Backend) -> None:
+    sandbox = make_sandbox(SandboxConfig(memory_bytes=256 * MIB, backend=backend))
     workspace = _workspace(root, sandbox)
     outcome = sandbox.run(
         workspace, ["python3", "-c", "block = bytearray(1024 * 1024 * 1024)\nprint('allocated')"]
@@ -216,8 +224,11 @@ def test_memory_is_capped(root: Path) -> None:
     _assert_still_serves(sandbox, workspace)
 
 
-def test_a_fork_bomb_hits_the_process_limit_and_leaves_nothing(root: Path) -> None:
-    sandbox = make_sandbox(SandboxConfig(max_processes=16))
+@BACKENDS
+def test_a_fork_bomb_hits_the_process_limit_and_leaves_nothing(
+    root: Path, backend: Backend
+) -> None:
+    sandbox = make_sandbox(SandboxConfig(max_processes=16, backend=backend))
     workspace = _workspace(root, sandbox)
     marker = f"etude-bomb-{secrets.token_hex(4)}"
     outcome = sandbox.run(
@@ -243,9 +254,10 @@ def test_a_fork_bomb_hits_the_process_limit_and_leaves_nothing(root: Path) -> No
     _assert_still_serves(sandbox, workspace)
 
 
-def test_many_runs_in_a_row_leave_no_process_behind(root: Path) -> None:
+@BACKENDS
+def test_many_runs_in_a_row_leave_no_process_behind(root: Path, backend: Backend) -> None:
     """Under a small process limit, a leftover (even a zombie) per run would soon fail."""
-    sandbox = make_sandbox(SandboxConfig(max_processes=6))
+    sandbox = make_sandbox(SandboxConfig(max_processes=6, backend=backend))
     workspace = _workspace(root, sandbox)
     for _ in range(30):
         assert sandbox.run(workspace, ["true"]).exit_code == 0
@@ -286,16 +298,18 @@ def test_disk_writes_are_capped(root: Path) -> None:
     _assert_still_serves(sandbox, workspace)
 
 
-def test_cpu_time_is_capped(root: Path) -> None:
-    sandbox = make_sandbox(SandboxConfig(cpu_s=1))
+@BACKENDS
+def test_cpu_time_is_capped(root: Path, backend: Backend) -> None:
+    sandbox = make_sandbox(SandboxConfig(cpu_s=1, backend=backend))
     workspace = _workspace(root, sandbox)
     outcome = sandbox.run(workspace, ["python3", "-c", "while True: pass"], wall_s=30)
     assert not outcome.timed_out and outcome.killed_by == "rlimit_cpu"
     _assert_still_serves(sandbox, workspace)
 
 
-def test_wall_clock_kills_the_whole_tree_including_daemons(root: Path) -> None:
-    sandbox = make_sandbox(SandboxConfig())
+@BACKENDS
+def test_wall_clock_kills_the_whole_tree_including_daemons(root: Path, backend: Backend) -> None:
+    sandbox = make_sandbox(SandboxConfig(backend=backend))
     workspace = _workspace(root, sandbox)
     marker = f"etude-daemon-{secrets.token_hex(4)}"
     daemon = (
@@ -316,8 +330,9 @@ def test_wall_clock_kills_the_whole_tree_including_daemons(root: Path) -> None:
     _assert_still_serves(sandbox, workspace)
 
 
-def test_output_is_cut_at_the_limit_while_read(root: Path) -> None:
-    sandbox = make_sandbox(SandboxConfig(max_output_bytes=4096))
+@BACKENDS
+def test_output_is_cut_at_the_limit_while_read(root: Path, backend: Backend) -> None:
+    sandbox = make_sandbox(SandboxConfig(max_output_bytes=4096, backend=backend))
     workspace = _workspace(root, sandbox)
     outcome = sandbox.run(
         workspace,
@@ -351,3 +366,46 @@ def test_without_bubblewrap_untrusted_code_is_refused_unless_unsafe_is_set(
     assert outcome.exit_code == 0 and outcome.stdout == b"65534\n"  # rlimits and uid still apply
     with pytest.raises(ValueError, match="argv"):
         unsafe.run(workspace, [])
+
+
+def test_the_pod_backend_drops_the_uid_and_the_services_environment(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gVisor or Kata pods: no namespaces, but the command runs as the sandbox uid, in its
+    workspace, with nothing of the service's environment (its token) and no way to read
+    it through /proc; a service that cannot drop its uid refuses the backend."""
+    monkeypatch.setenv("ETUDE_AUTH__TOKEN", "secret-token")
+    sandbox = make_sandbox(SandboxConfig(backend="pod"))
+    assert sandbox.name == "pod"
+    workspace = _workspace(root, sandbox)
+    out = _python(
+        sandbox,
+        workspace,
+        "import os\n"
+        "print(os.getuid(), os.getcwd())\n"
+        "print('ETUDE_AUTH__TOKEN' in os.environ)\n"
+        f"try:\n    open('/proc/{os.getpid()}/environ', 'rb').read(); print('read')\n"
+        "except OSError as error:\n    print('refused', error.errno)\n",
+    )
+    assert out.splitlines() == [f"65534 {workspace}", "False", "refused 13"], out
+    monkeypatch.setattr(os, "geteuid", lambda: 10001)
+    with pytest.raises(SandboxUnavailable, match="runAsUser: 0"):
+        make_sandbox(SandboxConfig(backend="pod"))
+
+
+def test_a_sandbox_that_cannot_start_says_how_to_fix_it(root: Path) -> None:
+    """What envs readiness reports: bubblewrap without user namespaces (as under default
+    pod security) names the gVisor/Kata runtimeClassName and the securityContext; the
+    real sandbox here passes the same check."""
+    assert make_sandbox(SandboxConfig()).self_test(root) is None
+    assert make_sandbox(SandboxConfig(backend="pod")).self_test(root) is None
+    denied = root / "bwrap"
+    denied.write_text(
+        "#!/bin/sh\necho 'bwrap: No permissions to create a new namespace, likely because "
+        "the kernel does not allow non-privileged user namespaces.' >&2\nexit 1\n"
+    )
+    denied.chmod(0o755)
+    problem = BubblewrapSandbox(SandboxConfig(), str(denied)).self_test(root)
+    assert problem is not None and "No permissions to create a new namespace" in problem
+    assert "envs.runtimeClassName" in problem and "securityContext" in problem
+    assert [p.name for p in root.iterdir()] == ["bwrap"]  # its scratch workspace is gone

@@ -36,11 +36,14 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -75,6 +78,14 @@ class SandboxConfig(StrictModel):
     )
     allow_unsafe_local: bool = Field(
         False, description="Without bubblewrap, run commands unsandboxed (trusted tests only)."
+    )
+    backend: Literal["bubblewrap", "pod"] = Field(
+        "bubblewrap",
+        description="bubblewrap: namespaces per command (needs user namespaces in the pod). "
+        "pod: the pod is the isolation boundary (a gVisor or Kata runtimeClassName); "
+        "commands keep the per-command limits (the uid, rlimits, time, output caps, a "
+        "cleared environment) without namespaces. The envs container must run as root "
+        "inside such a pod, to drop to `uid`. Chosen here, never a fallback.",
     )
 
 
@@ -274,6 +285,8 @@ class Sandbox(abc.ABC):
     # Whether the sandbox reports the command's host pid and that it set itself up
     # (bubblewrap): then a failed setup and a kill from outside can be told apart.
     reports_child_pid = False
+    # What to do when it cannot run a command (the readiness message ends with it).
+    fix = "see docs/envs.md (Sandboxes in pods)"
 
     def __init__(self, config: SandboxConfig) -> None:
         self.config = config
@@ -309,6 +322,21 @@ class Sandbox(abc.ABC):
         if code >= 0:
             return ""
         return _SIGNAL_NAMES.get(-code, signal.Signals(-code).name)
+
+    def self_test(self, scratch: Path) -> str | None:
+        """Runs a command the way rollouts do, in a fresh workspace under `scratch`; None
+        when it ran, else what failed and how to fix it (the readiness message)."""
+        workspace = Path(tempfile.mkdtemp(prefix="self-test-", dir=scratch))
+        try:
+            self.prepare(workspace)
+            outcome = self.run(workspace, ["sh", "-c", "echo ok > probe && cat probe"], wall_s=30)
+        finally:
+            shutil.rmtree(workspace, ignore_errors=True)
+        if outcome.exit_code == 0 and outcome.stdout.strip() == b"ok":
+            return None
+        detail = (outcome.stderr or outcome.stdout).decode(errors="replace").strip()[-300:]
+        code = outcome.exit_code
+        return f"the {self.name} sandbox cannot run a command (exit {code}: {detail}); {self.fix}"
 
     def run(
         self,
@@ -483,6 +511,12 @@ class BubblewrapSandbox(Sandbox):
     """bubblewrap: no network, the workspace as the only writable place."""
 
     name = "bubblewrap"
+    fix = (
+        "bubblewrap needs user namespaces, which default pod security forbids: run envs "
+        "under gVisor or Kata (envs.runtimeClassName, with config.envs.sandbox.backend = "
+        "'pod'), or allow bubblewrap's namespaces (envs.securityContext and "
+        "envs.podSecurityContext, docs/deploy.md, Sandboxes)"
+    )
 
     def __init__(self, config: SandboxConfig, binary: str) -> None:
         super().__init__(config)
@@ -563,6 +597,77 @@ class BubblewrapSandbox(Sandbox):
         ]
 
 
+# The pod backend's init for one command. Without a pid namespace, a daemon the command
+# leaves (setsid + fork) would outlive it, and a process the pod's pid 1 never reaps counts
+# against the uid's process limit for good. So a subreaper runs the command, reaps every
+# orphan handed to it, kills what remains once the command exits, and exits as it did.
+_POD_REAPER = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[1], sys.argv[1:])
+    except OSError as error:
+        sys.stderr.write(f"{sys.argv[1]}: {error.strerror}\\n")
+        os._exit(127 if error.errno == 2 else 126)
+status = 0
+while True:
+    try:
+        child, code = os.wait()
+    except ChildProcessError:
+        break
+    if child == pid:
+        status = code
+    if child == pid or pid is None:
+        pid = None
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                        os.kill(int(entry), signal.SIGKILL)
+            except (OSError, ValueError, IndexError):
+                pass
+if os.WIFSIGNALED(status):
+    signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+    os.kill(os.getpid(), os.WTERMSIG(status))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+class PodSandbox(Sandbox):
+    """The pod is the isolation boundary (gVisor, Kata): each command runs as the sandbox
+    uid under the rlimits, its time and output caps and a cleared environment, with the
+    workspace as its working directory, and no namespaces of its own."""
+
+    name = "pod"
+
+    def __init__(self, config: SandboxConfig) -> None:
+        super().__init__(config)
+        if os.geteuid() != 0:
+            # As the service's own uid, a command could read the service's environment
+            # (its token) through /proc; only root can drop it to another uid.
+            raise SandboxUnavailable(
+                "envs.sandbox.backend = 'pod' runs each command as envs.sandbox.uid, which "
+                f"needs the envs container to run as root inside the pod (it runs as uid "
+                f"{os.geteuid()}): set envs.podSecurityContext.runAsUser: 0 and "
+                "runAsNonRoot: false with the gVisor or Kata runtimeClassName"
+            )
+        _tool("setpriv"), _tool("prlimit")  # refused now, not at the first command
+
+    def command(
+        self,
+        workspace: Path,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        info_fd: int | None = None,
+        started_fd: int | None = None,
+    ) -> list[str]:
+        # run() drops the uid and sets the rlimits, env and working dir; the reaper stays
+        # the command's parent and takes every process it leaves behind with it.
+        return [sys.executable, "-I", "-S", "-c", _POD_REAPER, *argv]
+
+
 class UnsafeLocalSandbox(Sandbox):
     """No isolation beyond rlimits: only for trusted commands on machines without bwrap."""
 
@@ -580,7 +685,10 @@ class UnsafeLocalSandbox(Sandbox):
 
 
 def make_sandbox(config: SandboxConfig) -> Sandbox:
-    """bubblewrap when installed; the unsafe local runner only when explicitly allowed."""
+    """The backend the config names: bubblewrap (the unsafe local runner instead only
+    when explicitly allowed and bwrap is missing), or the pod as the boundary."""
+    if config.backend == "pod":
+        return PodSandbox(config)
     binary = shutil.which("bwrap")
     if binary is not None:
         return BubblewrapSandbox(config, binary)

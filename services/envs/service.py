@@ -157,6 +157,7 @@ class EnvsService(Service):
             self.sandbox_problem = str(error)
             log.error("envs cannot run untrusted code: %s", error)
         self.worker: RolloutWorker | None = None
+        self.sandbox_works = asyncio.Event()
 
     def register(self, server: aio.Server) -> list[str]:
         envs_pb2_grpc.add_EnvServiceServicer_to_server(EnvServicer(self), server)
@@ -187,13 +188,31 @@ class EnvsService(Service):
             lease_ttl_s=settings.lease_ttl_s,
         )
         self.worker = worker
+
         # Supervised: workers that crashed are logged, restarted with backoff, and the
         # service is not ready meanwhile (services.wire.supervise).
-        self.background.start("rollout-workers", lambda: worker.run(settings.workers))
+        # They take rollouts only once a sandbox has run a command (check_ready).
+        async def work() -> None:
+            await self.sandbox_works.wait()
+            await worker.run(settings.workers)
+
+        self.background.start("rollout-workers", work)
 
     async def check_ready(self) -> Readiness:
         if self.workspaces is None:
             return Readiness(False, f"no sandbox: {self.sandbox_problem}")
+        if not self.sandbox_works.is_set():
+            # Not only that bwrap exists: that it can make a sandbox in this pod (user
+            # namespaces, the uid drop), tried again at every readiness check until it can.
+            sandbox = self.workspaces.sandbox
+            problem = await asyncio.to_thread(sandbox.self_test, self.workspaces.root)
+            if problem is not None:
+                if problem != self.sandbox_problem:
+                    log.error("envs cannot run untrusted code: %s", problem)
+                self.sandbox_problem = problem
+                return Readiness(False, problem)
+            self.sandbox_problem = ""
+            self.sandbox_works.set()
         return Readiness(True, f"sandbox: {self.workspaces.sandbox.name}")
 
     def status_fields(self) -> dict[str, str]:
