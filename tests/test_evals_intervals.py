@@ -163,3 +163,40 @@ def test_the_report_shows_intervals_gains_and_retries() -> None:
     assert header is not None and "<th>retried</th><th>left out</th>" in header.group(1)
     assert "<td>4</td><td>2 (v6 2)</td>" in page
     assert files["pass_at_1.png"].startswith(b"\x89PNG")
+
+
+def test_the_run_summary_states_each_pass_at_1_and_the_gain_with_intervals() -> None:
+    """`etude run`'s table and summary.json: both ends' intervals, the gain's (paired),
+    each end's tasks x samples, and the generations retried and left out."""
+    import io
+
+    from rich.console import Console
+
+    from services.launcher.summary import RunSummary, print_summary, suite_scores
+
+    base = record_of(0, {f"t{i}": [i % 3 == 0, False, False, i % 2 == 0] for i in range(12)})
+    later = record_of(
+        5, {f"t{i}": [True, i % 2 == 0] for i in range(6)}, num_retried=4, left_out_by={"v6": 2}
+    )
+    (scores,) = suite_scores({"s": {0: base, 5: later}})
+    gain = gain_interval(base, later)
+    assert scores.gain_interval == (gain.low, gain.high)
+    assert base.pass_at_1_interval is not None
+    assert scores.first_interval == (base.pass_at_1_interval.low, base.pass_at_1_interval.high)
+    assert (scores.first_num_tasks, scores.num_tasks) == (12, 6)
+    assert (scores.num_retried, scores.num_left_out) == (4, 2)
+    assert suite_scores({"s": {0: base}})[0].gain_interval is None  # one version: no gain
+
+    summary = RunSummary(
+        run="r", steps=0, groups_trained=0, rollouts_trained=0, groups_trained_twice=0,
+        versions_published=[], versions_served=0, rollouts_spanning_versions=0, staleness={},
+        reward_curve=[], suites=[scores], weight_sync_bytes_ratio=None,
+        weight_versions_delta=0, update_pauses=0, mean_update_pause_s=None,
+        trainer_wait_fraction=None, seconds_per_step=None,
+    )  # fmt: skip
+    out = io.StringIO()
+    print_summary(Console(file=out, width=300), summary, None)
+    text = out.getvalue()
+    points = f"{100 * gain.low:+.1f}, {100 * gain.high:+.1f}"
+    assert f"points [{points}], 95 % over tasks; v0 12 tasks x 4, v5 6 tasks x 2" in text
+    assert "4 / 2 (each score uses only its own version's samples)" in text

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.api.v1 import common_pb2
+from services.evals.intervals import gain_interval
 from services.evals.record import EvalRecord
 from services.evals.report import render
 from services.launcher.observe import Snapshot
@@ -43,6 +44,17 @@ class SuiteScores:
     last_pass_at_1: float
     num_tasks: int
     num_samples: int
+    # 95 % intervals (bootstrap over tasks; None for records from before they were kept):
+    # of each pass@1, and of the gain (paired over the tasks both versions were scored on).
+    first_interval: tuple[float, float] | None = None
+    last_interval: tuple[float, float] | None = None
+    gain_interval: tuple[float, float] | None = None
+    first_num_tasks: int = 0
+    first_num_samples: int = 0
+    # Generations asked again (made partly by an older version) and left out (by a newer
+    # one) over all the suite's evals: each score uses only its own version's samples.
+    num_retried: int = 0
+    num_left_out: int = 0
 
     @property
     def gain_points(self) -> float:
@@ -122,6 +134,10 @@ def suite_scores(evals: Mapping[str, Mapping[int, EvalRecord]]) -> list[SuiteSco
         if not versions:
             continue
         first, last = versions[min(versions)], versions[max(versions)]
+        gain = None
+        if first is not last and first.pass_at_1_interval and last.pass_at_1_interval:
+            interval = gain_interval(first, last)
+            gain = (interval.low, interval.high)
         scores.append(
             SuiteScores(
                 suite,
@@ -131,9 +147,29 @@ def suite_scores(evals: Mapping[str, Mapping[int, EvalRecord]]) -> list[SuiteSco
                 last.pass_at_1,
                 last.num_tasks,
                 last.num_samples,
+                first_interval=_bounds(first),
+                last_interval=_bounds(last),
+                gain_interval=gain,
+                first_num_tasks=first.num_tasks,
+                first_num_samples=first.num_samples,
+                num_retried=sum(r.num_retried for r in versions.values()),
+                num_left_out=sum(r.num_left_out for r in versions.values()),
             )
         )
     return scores
+
+
+def _bounds(record: EvalRecord) -> tuple[float, float] | None:
+    interval = record.pass_at_1_interval
+    return None if interval is None else (interval.low, interval.high)
+
+
+def _bracket(bounds: tuple[float, float] | None, scale: float = 1.0, sign: str = "") -> str:
+    if bounds is None:
+        return ""
+    digits = 1 if scale != 1.0 else 3
+    low, high = (f"{scale * b:{sign}.{digits}f}" for b in bounds)
+    return f" [{low}, {high}]"
 
 
 def routing_bytes(store: ObjectStore, run: str) -> tuple[float | None, float | None]:
@@ -355,11 +391,24 @@ def print_summary(console: Console, summary: RunSummary, report: Path | None) ->
     table.add_column("what", style="bold")
     table.add_column("value")
     for scores in summary.suites:
+        gain = f"{scores.gain_points:+.1f} points{_bracket(scores.gain_interval, 100, '+')}"
+        if scores.gain_interval is not None:
+            gain += ", 95 % over tasks"
         table.add_row(
             f"{scores.suite} pass@1",
-            f"v{scores.first_version} {scores.first_pass_at_1:.3f} -> "
-            f"v{scores.last_version} {scores.last_pass_at_1:.3f} "
-            f"({scores.gain_points:+.1f} points; {scores.num_tasks} tasks x {scores.num_samples})",
+            f"v{scores.first_version} {scores.first_pass_at_1:.3f}"
+            f"{_bracket(scores.first_interval)} -> "
+            f"v{scores.last_version} {scores.last_pass_at_1:.3f}{_bracket(scores.last_interval)} "
+            f"({gain}; v{scores.first_version} {scores.first_num_tasks} tasks x "
+            f"{scores.first_num_samples}, v{scores.last_version} {scores.num_tasks} tasks x "
+            f"{scores.num_samples})",
+        )
+    if summary.suites:
+        table.add_row(
+            "eval generations retried / left out",
+            f"{sum(s.num_retried for s in summary.suites)} / "
+            f"{sum(s.num_left_out for s in summary.suites)} (each score uses only its own "
+            "version's samples)",
         )
     curve = summary.reward_curve
     if curve:
