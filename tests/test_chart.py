@@ -366,6 +366,25 @@ def test_envs_pods_are_locked_down() -> None:
     assert not any("ipBlock" in peer for rule in policy["egress"] for peer in rule["to"])
 
 
+def test_the_pod_sandbox_option_runs_envs_as_root_in_the_runtime_with_the_uid_drop(
+    tmp_path: Path,
+) -> None:
+    """gVisor/Kata: the runtime class, root inside the pod with just the capabilities the
+    uid drop needs (the rest stay dropped), and the pod backend in the run config."""
+    manifests = render(chart_check.FEATURE_CASES["sandbox-pod"])
+    deployment = chart_check.find(manifests, "Deployment", "etude-envs")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["runtimeClassName"] == "gvisor" and pod["securityContext"]["runAsUser"] == 0
+    capabilities = container(deployment)["securityContext"]["capabilities"]
+    assert capabilities["drop"] == ["ALL"] and {"SETUID", "SETGID", "KILL"} <= set(
+        capabilities["add"]
+    )
+    assert rendered_config(manifests, tmp_path).envs.sandbox.backend == "pod"
+    # Only envs: the other services keep running as non-root.
+    inference = chart_check.find(manifests, "Deployment", "etude-inference")
+    assert inference["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
 def test_envs_egress_allow_list_is_added() -> None:
     rule = {"to": [{"ipBlock": {"cidr": "10.1.0.0/16"}}], "ports": [{"port": 443}]}
     policy = chart_check.find(

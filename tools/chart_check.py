@@ -58,6 +58,25 @@ FEATURE_CASES: dict[str, dict[str, Any]] = {
     "tls": {"tls": {"enabled": True, "secretName": "etude-grpc-tls"}},
     "hpa": {"envs": {"autoscaling": {"enabled": True}, "replicas": 5}},
     "redis-url": {"redis": {"bundled": False, "external": {"url": "redis://redis.db:6379/0"}}},
+    # The two ways to run the envs sandbox in a pod (docs/deploy.md, Sandboxes).
+    "sandbox-pod": {
+        "envs": {
+            "runtimeClassName": "gvisor",
+            "podSecurityContext": {"runAsUser": 0, "runAsNonRoot": False},
+            "securityContext": {
+                "capabilities": {
+                    "add": ["SETUID", "SETGID", "CHOWN", "FOWNER", "DAC_OVERRIDE", "KILL"]
+                }
+            },
+        },
+        "config": {"envs": {"sandbox": {"backend": "pod"}}},
+    },
+    "sandbox-bubblewrap": {
+        "envs": {
+            "podSecurityContext": {"seccompProfile": {"type": "Unconfined"}},
+            "securityContext": {"seccompProfile": {"type": "Unconfined"}},
+        },
+    },
     "cpu-demo": {
         "objectStore": {"url": "file:///var/lib/etude-store", "fileClaim": "etude-store"},
         "model": {"initPreset": "tiny"},
