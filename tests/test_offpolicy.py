@@ -9,7 +9,6 @@ import asyncio
 import json
 import math
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,17 +29,14 @@ from services.trainer.offpolicy import lag_metrics, lag_sums, max_lag
 from services.trainer.rollouts import RolloutError, SegmentTokens, parse_segment
 from services.trainer.runtime import LocalRuntime
 from tests.test_trainer_recorded_step import RecordedReconciler, run_config
-from tests.trainer_support import sample, segment_of, store_rollout
+from tests.trainer_support import (
+    one_thread,  # noqa: F401  (autouse: one torch thread)
+    sample,
+    segment_of,
+    store_rollout,
+)
 
 LN2 = math.log(2)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def span(version: int, start: int, end: int) -> common_pb2.VersionSpan:

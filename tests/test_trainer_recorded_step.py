@@ -17,7 +17,6 @@ import asyncio
 import hashlib
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +34,15 @@ from services.trainer.model import Qwen3MoE, load_pretrained
 from services.trainer.rollouts import SegmentTokens
 from services.trainer.runtime import LocalRuntime
 from services.trainer.sft import Example, to_microbatch
-from tests.trainer_support import sample, segment_of, store_rollout
+from tests.trainer_support import (
+    one_thread,  # noqa: F401  (autouse: one torch thread)
+    sample,
+    segment_of,
+    store_rollout,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "recorded_steps.json"
 TIMINGS = ("time_", "tokens_per_s")
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def checksum(model: Qwen3MoE) -> str:

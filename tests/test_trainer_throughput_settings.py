@@ -5,23 +5,12 @@ checkpointing the recorded RL and SFT steps are reproduced bit for bit."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
-import torch
 
 from services.trainer.config import JobConfig
 from services.trainer.learner import Learner
 from tests.test_trainer_recorded_step import assert_reproduces, learner_rl, learner_sft
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.trainer_support import one_thread  # noqa: F401  (autouse: one torch thread)
 
 
 def test_activation_checkpointing_reproduces_the_recorded_steps(tiny_model: Path) -> None:

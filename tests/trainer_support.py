@@ -9,10 +9,11 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -24,6 +25,16 @@ from services.wire.ports import free_ports
 from tests.conftest import REPO, TOKEN, service_env
 
 Reward = Callable[[list[int]], float]
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread for the test (a module that imports it): float32 sums then run in
+    one order, so recorded numbers are reproduced bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def sharpen_model(source: Path, out: Path, seed: int = 1) -> Path:
