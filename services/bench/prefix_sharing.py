@@ -35,6 +35,7 @@ import torch
 from services.bench import BenchResult
 
 if TYPE_CHECKING:
+    from services.trainer.batch import TrainItem
     from services.trainer.learner import Learner
 
 TARGET_RL_SPEEDUP = 1.5
@@ -62,6 +63,25 @@ def _transcripts(tokenizer: object, num_tasks: int) -> list[tuple[list[int], lis
             generated += [is_generated] * len(ids)
         transcripts.append((tokens, generated))
     return transcripts
+
+
+def rl_items(tokenizer: object, num_groups: int) -> list[TrainItem]:
+    """GROUP_SIZE rollouts of each of `num_groups` transcripts (a group shares its whole
+    transcript), with advantages that differ within and across groups."""
+    from services.trainer.rollouts import SegmentTokens
+
+    items: list[TrainItem] = []
+    for group, (tokens, generated) in enumerate(_transcripts(tokenizer, num_groups)):
+        for sample in range(GROUP_SIZE):
+            segment = SegmentTokens(
+                input_ids=tokens[:-1],
+                targets=tokens[1:],
+                trained=generated[1:],
+                behaviour_logprobs=[-0.5] * (len(tokens) - 1),
+                replay=None,
+            )
+            items.append((segment, 0.1 * (sample - 1.5) + 0.01 * group, 1.0))
+    return items
 
 
 def small_learner(scratch: Path) -> tuple[Any, Learner]:
@@ -106,7 +126,6 @@ def run(quick: bool) -> BenchResult:
     from services.config import BaseModelConfig
     from services.launcher.base_model import sft_records
     from services.trainer.batch import RLBatch, pack_microbatch
-    from services.trainer.rollouts import SegmentTokens
     from services.trainer.sft import ExampleStream, JsonlSource, to_microbatch
 
     torch.set_num_threads(1)
@@ -116,18 +135,7 @@ def run(quick: bool) -> BenchResult:
         model, dtype = learner.model, learner.model.dtype
         arch = model.arch
 
-        transcripts = _transcripts(tokenizer, NUM_GROUPS)
-        items = []
-        for group, (tokens, generated) in enumerate(transcripts):
-            for sample in range(GROUP_SIZE):
-                segment = SegmentTokens(
-                    input_ids=tokens[:-1],
-                    targets=tokens[1:],
-                    trained=generated[1:],
-                    behaviour_logprobs=[-0.5] * (len(tokens) - 1),
-                    replay=None,
-                )
-                items.append((segment, 0.1 * (sample - 1.5) + 0.01 * group, 1.0))
+        items = rl_items(tokenizer, NUM_GROUPS)
         rl_batches = {
             share: RLBatch(
                 [pack_microbatch(items, arch.num_layers, arch.top_k, share_prefixes=share)],

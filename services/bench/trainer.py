@@ -44,7 +44,7 @@ from services.trainer.model.transformer import PackedInputs
 TARGET_RL_SPEEDUP = 2.0
 TARGET_MFU_RL = 0.25
 COMPILE_VARIABLE = "ETUDE_BENCH_TRAINER_COMPILE"
-NUM_GROUPS, GROUP_SIZE = 8, 4
+NUM_GROUPS = 8  # groups of prefix_sharing.GROUP_SIZE rollouts
 
 
 def forward_flops(arch: Architecture, inputs: PackedInputs, num_head_rows: int) -> float:
@@ -115,11 +115,10 @@ def _best(calls: dict[str, Callable[[], float]], repeats: int) -> dict[str, floa
 def run(quick: bool) -> BenchResult:
     """RL and SFT steps of the small preset, the current path against the new one."""
 
-    from services.bench.prefix_sharing import _transcripts, small_learner
+    from services.bench.prefix_sharing import rl_items, small_learner
     from services.config import BaseModelConfig
     from services.launcher.base_model import sft_records
     from services.trainer.batch import RLBatch, pack_microbatch
-    from services.trainer.rollouts import SegmentTokens
     from services.trainer.sft import ExampleStream, JsonlSource, to_microbatch
 
     torch.set_num_threads(1)
@@ -129,17 +128,7 @@ def run(quick: bool) -> BenchResult:
         tokenizer, learner = small_learner(Path(scratch))
         model, dtype = learner.model, learner.model.dtype
         arch = model.arch
-        items = []
-        for group, (ids, generated) in enumerate(_transcripts(tokenizer, num_groups)):
-            for sample in range(GROUP_SIZE):
-                segment = SegmentTokens(
-                    input_ids=ids[:-1],
-                    targets=ids[1:],
-                    trained=generated[1:],
-                    behaviour_logprobs=[-0.5] * (len(ids) - 1),
-                    replay=None,
-                )
-                items.append((segment, 0.1 * (sample - 1.5) + 0.01 * group, 1.0))
+        items = rl_items(tokenizer, num_groups)
         rl_batches = {
             current: RLBatch(
                 [pack_microbatch(items, arch.num_layers, arch.top_k, share_prefixes=not current)],
