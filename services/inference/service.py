@@ -163,9 +163,8 @@ class InferenceService(Service):
         self.follower: WeightFollower | None = None
         if config.inference.follow_weights:
             # Versions trained from another model (architecture, tokenizer) are refused,
-            # naming both. (An engine given by a test may have no model directory.)
-            model_dir = config.inference.engine.model_dir
-            model = fingerprint(model_dir) if (model_dir / "config.json").is_file() else None
+            # naming both. (An engine a test hands in serves no model directory.)
+            model = fingerprint(config.inference.engine.model_dir) if engine is None else None
             subscriber = WeightSubscriber(
                 open_store(config.object_store), config.run.name, config.weights, model
             )
