@@ -39,7 +39,7 @@ from services.envs.faults import (
     slot_faults,
 )
 from services.envs.grading import grade_files
-from services.envs.sandbox import SandboxConfig, make_sandbox
+from services.envs.sandbox import START_SIGNAL, SandboxConfig, make_sandbox
 from services.envs.tools import ToolCall, Tools
 from services.envs.workspace import Workspaces
 from services.reconciler.client import ReconcilerClient
@@ -197,8 +197,11 @@ def test_slot_faults_count_every_failed_attempt() -> None:
 
 
 class SandboxKiller:
-    """Kills, from outside, the first `num_kills` grading sandboxes whose command line
-    carries `marker` (their pid 1: the whole sandbox goes), as the OOM killer would."""
+    """Kills, from outside, the first `num_kills` started sandboxes whose command line
+    carries `marker` (their pid 1: the whole sandbox goes), as the OOM killer would.
+
+    A sandbox counts as started once its start-pipe wrapper has exec'd the command: a
+    kill before that is a sandbox that never started (sandbox_start), another fault."""
 
     def __init__(self, marker: str, num_kills: int) -> None:
         self.marker = marker.encode()
@@ -221,7 +224,7 @@ class SandboxKiller:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             return False
-        if self.marker not in cmdline:
+        if self.marker not in cmdline or START_SIGNAL.encode() in cmdline:
             return False
         nspids = next(line for line in status.splitlines() if line.startswith("NSpid:"))
         return nspids.split()[-1] == "1" and len(nspids.split()) > 2

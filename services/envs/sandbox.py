@@ -56,6 +56,9 @@ DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 JUDGE_WALL_FACTOR = 3
 # The final share of a run's wall clock in which its threads' scheduling is sampled.
 TAIL_SHARE = 0.25
+# What the start-pipe wrapper runs, before its fd number, inside a set-up sandbox: it
+# writes the start byte, then execs the command (which so replaces it as pid 1).
+START_SIGNAL = "printf x >&"
 
 
 class SandboxConfig(StrictModel):
@@ -543,7 +546,7 @@ class BubblewrapSandbox(Sandbox):
             # Inside the sandbox, once bwrap has set it up: say so on a pipe, close it, and
             # become the command (still pid 1). The command never runs if setup failed, so
             # it cannot make a started sandbox look like one that failed to start.
-            script = f'printf x >&{started_fd}; exec {started_fd}>&-; exec "$@"'
+            script = f'{START_SIGNAL}{started_fd}; exec {started_fd}>&-; exec "$@"'
             argv = [self._bash, "-c", script, "sh", *argv]
         mounts = ["--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
