@@ -9,9 +9,10 @@ last (that token is never fed to the model, so nothing routed it). A row of -1 m
 
 A Generate answer's table may start past position 0 (``routed_experts_start``: the rows
 the caller already holds are not sent again); it then fits the tokens from that
-position on. Inference encodes (``encode``); envs checks each answer (``check``),
-stitches a context's answers and encodes the whole table into the rollout record; the
-trainer decodes (``decode``). A message
+position on. Inference encodes (``encode``); envs checks each answer (``check``) and
+joins a context's answers into the rollout record's table (``join``: their bytes
+concatenated, never decoded, unless their index widths differ); the trainer decodes
+(``decode``). A message
 that does not fit raises ``RoutedExpertsError``, an ``InvalidArgument``: a servicer
 answers it with INVALID_ARGUMENT, and its ``reason`` labels the trainer's skip metric.
 """
@@ -103,3 +104,33 @@ def decode(
     dtype = check(routed, num_tokens, field)
     table = np.frombuffer(routed.data, dtype=dtype).reshape(tuple(routed.shape))
     return table.astype(np.int64)
+
+
+def join(
+    parts: list[common_pb2.RoutedExperts], field: str = "routed_experts"
+) -> common_pb2.RoutedExperts:
+    """One table of ``parts``' rows in order, their bytes forwarded as they came. Parts of
+    different index widths are widened to the widest (a -1 row, say, makes one call's
+    table int16 beside another's uint8); rows of other ``[layers, top_k]`` raise
+    ``RoutedExpertsError`` naming ``field``."""
+    if not parts:
+        raise ValueError("join needs at least one table")
+    widths = {part.dtype: INDEX_DTYPES[part.dtype] for part in parts}
+    row_shapes = {tuple(part.shape[1:]) for part in parts}
+    if len(row_shapes) != 1:
+        raise RoutedExpertsError(
+            "routed_experts_shape",
+            f"{field}.shape",
+            f"rows of shapes {sorted(row_shapes)} in one context (one [layers, top_k] expected)",
+        )
+    widest = max(widths, key=lambda dtype: widths[dtype].itemsize)
+    if len(widths) == 1:
+        data = b"".join(part.data for part in parts)
+    else:
+        wide = INDEX_DTYPES[widest]
+        data = b"".join(
+            np.frombuffer(part.data, dtype=INDEX_DTYPES[part.dtype]).astype(wide).tobytes()
+            for part in parts
+        )
+    rows = sum(part.shape[0] for part in parts)
+    return common_pb2.RoutedExperts(data=data, shape=[rows, *row_shapes.pop()], dtype=widest)

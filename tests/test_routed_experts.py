@@ -163,10 +163,29 @@ async def test_envs_keeps_inferences_routes_for_one_call() -> None:
         data=table.tobytes(), shape=[rows, 2, 2], dtype=common_pb2.INDEX_DTYPE_INT32
     )
     segment = (await _generate(sent)).to_proto()
-    decoded = routed_experts.decode(segment.routed_experts, len(segment.token_ids))
-    assert decoded is not None
-    np.testing.assert_array_equal(decoded, table)
+    # Forwarded as inference packed it: the same bytes, width and shape (int32 here,
+    # though uint8 would hold these indices: envs never re-encodes).
+    assert segment.routed_experts == sent
     assert list(segment.token_ids) == PROMPT + GENERATED
+
+
+def test_join_forwards_bytes_and_widens_only_mixed_widths() -> None:
+    rows = np.arange(8).reshape(2, 2, 2)
+    small = routed_experts.encode(rows)
+    assert small.dtype == common_pb2.INDEX_DTYPE_UINT8
+    same = routed_experts.join([small, small])
+    assert same.data == small.data * 2 and list(same.shape) == [4, 2, 2]
+    assert same.dtype == common_pb2.INDEX_DTYPE_UINT8
+    unrouted = routed_experts.encode(np.full((1, 2, 2), -1))
+    assert unrouted.dtype == common_pb2.INDEX_DTYPE_INT16
+    mixed = routed_experts.join([small, unrouted, small])
+    assert mixed.dtype == common_pb2.INDEX_DTYPE_INT16
+    decoded = routed_experts.decode(mixed, 5)
+    assert decoded is not None
+    np.testing.assert_array_equal(decoded, np.concatenate([rows, np.full((1, 2, 2), -1), rows]))
+    other_layers = routed_experts.encode(np.zeros((1, 3, 2), dtype=np.int64))
+    with pytest.raises(routed_experts.RoutedExpertsError, match=r"segment\.shape"):
+        routed_experts.join([small, other_layers], "segment")
 
 
 def _routes_of_call(call: int) -> Callable[[list[int]], np.ndarray]:

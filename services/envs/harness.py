@@ -40,8 +40,6 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-
 from services import routed_experts
 from services.api.v1 import common_pb2
 from services.envs.config import HarnessConfig
@@ -96,8 +94,9 @@ class SegmentBuilder:
     logprobs: list[float] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     spans: list[tuple[int, int, int]] = field(default_factory=list)
-    # Routed experts of positions 0.. num_routed - 1, one table per call, in order.
-    route_tables: list[np.ndarray] = field(default_factory=list)
+    # Routed experts of positions 0.. num_routed - 1, one table per call, in order, as
+    # inference packed them (checked, never decoded).
+    route_tables: list[common_pb2.RoutedExperts] = field(default_factory=list)
     num_routed: int = 0
     routing_lost: bool = False  # a call came back without routing: the segment has none
     routing_bytes: int = 0  # routed-expert bytes received from inference
@@ -119,18 +118,17 @@ class SegmentBuilder:
             self.num_routed,
         )
         self.routing_bytes += len(generation.routing.data)
-        table = routed_experts.decode(
+        routed_experts.check(
             generation.routing, len(self.token_ids) - self.num_routed, "generation.routing"
         )
-        assert table is not None
-        self.route_tables.append(table)
-        self.num_routed += len(table)
+        self.route_tables.append(generation.routing)
+        self.num_routed += generation.routing.shape[0]
 
     def routed_experts(self) -> common_pb2.RoutedExperts | None:
         """The stitched table (a row for every token but the last); None without routing."""
         if self.routing_lost or not self.route_tables:
             return None
-        return routed_experts.encode(np.concatenate(self.route_tables))
+        return routed_experts.join(self.route_tables, "generation.routing")
 
     def add_injected(self, token_ids: list[int]) -> None:
         self.token_ids += token_ids
