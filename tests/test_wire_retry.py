@@ -147,8 +147,13 @@ async def test_retrying_outlasts_the_channels_attempts_and_gives_up_at_its_deadl
         def get() -> aio.UnaryUnaryCall:
             return stub.GetGroup(reconciler_pb2.GetGroupRequest(group_id="g"))
 
-        assert (await retrying(get, FAST, "GetGroup")).group.group_id == "g"
+        told: list[grpc.StatusCode] = []
+        answer = await retrying(get, FAST, "GetGroup", lambda error: told.append(error.code()))
+        assert answer.group.group_id == "g"
         assert flaky.calls["GetGroup"] == 10
+        # on_retry hears of each call retrying makes again; the channel's own attempts
+        # are inside one call, so 9 failures are at least 2 calls (4 attempts each).
+        assert len(told) >= 2 and set(told) == {grpc.StatusCode.UNAVAILABLE}
 
         flaky.failures = 10**6
         started = time.monotonic()

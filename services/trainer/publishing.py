@@ -14,7 +14,8 @@ Nothing here fails silently: a version that cannot be uploaded (after the publis
 own tries) is logged with its traceback and reported by ``fault()`` (the trainer's
 readiness turns NOT_SERVING with it) until a later version is published, which
 supersedes it; a notice the reconciler does not take is tried again with backoff until
-it is taken, a newer one is, or ``ANNOUNCE_GIVE_UP_S`` passes, reported meanwhile.
+it is taken, a newer one is, or ``ANNOUNCE_RETRY.deadline_s`` passes, reported meanwhile
+(``services.wire.retry.retrying``).
 """
 
 from __future__ import annotations
@@ -38,14 +39,21 @@ from services.trainer.model import Qwen3MoE
 from services.trainer.runtime import TrainerRuntime
 from services.weights.manifest import Layout, read_latest, read_manifest
 from services.weights.publisher import PublishResult, WeightPublisher
+from services.wire.retry import RetryPolicy, describe_error, retrying
 
 log = logging.getLogger(__name__)
 
-# Waits between tries of a notice the reconciler did not take: the first, the longest,
-# and how long a version is tried before it is given up (followers also poll `latest`).
-ANNOUNCE_FIRST_BACKOFF_S = 0.5
-ANNOUNCE_MAX_BACKOFF_S = 30.0
-ANNOUNCE_GIVE_UP_S = 600.0
+# A notice the reconciler did not take is tried again on any error but FAILED_PRECONDITION
+# (it has a newer version): waits from 0.5 s to 30 s, for 10 minutes in all before the
+# version is given up (followers also poll `latest`, so a version given up is still found).
+ANNOUNCE_RETRY = RetryPolicy(
+    codes=frozenset(
+        set(grpc.StatusCode) - {grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION}
+    ),
+    initial_backoff_s=0.5,
+    max_backoff_s=30.0,
+    deadline_s=600.0,
+)
 
 
 class PolicyPublisher:
@@ -146,32 +154,29 @@ class PolicyPublisher:
         self, reconciler: ReconcilerClient, notice: common_pb2.PolicyVersionNotice
     ) -> None:
         """Announces `notice`, with backoff, until it is taken or a newer one is."""
-        version, backoff = notice.version, ANNOUNCE_FIRST_BACKOFF_S
-        give_up_at = time.monotonic() + ANNOUNCE_GIVE_UP_S
-        while self.last_announced_version < version:
-            try:
+        version = notice.version
+
+        async def announce() -> None:
+            if self.last_announced_version < version:  # else a newer one was, meanwhile
                 await reconciler.publish_version(notice)
-            except aio.AioRpcError as error:
-                if error.code() == grpc.StatusCode.FAILED_PRECONDITION:  # it has a newer one
-                    log.warning("version %d is not announced: %s", version, error.details())
-                    self._clear("announce", version)
-                    return
-                reason = (
-                    f"could not announce version {version} to the reconciler: "
-                    f"{error.code().name}: {error.details()}"
-                )
-            else:
                 self.last_announced_version = max(self.last_announced_version, version)
-                self._clear("announce", version)
+
+        def report(error: BaseException) -> None:
+            self._report("announce", version, _not_announced(version, error))
+
+        try:
+            await retrying(announce, ANNOUNCE_RETRY, f"announcing version {version}", report)
+        except aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                report(error)
+                log.error(
+                    "%s; given up after %.0f s",
+                    _not_announced(version, error),
+                    ANNOUNCE_RETRY.deadline_s,
+                )
                 return
-            self._report("announce", version, reason)
-            if time.monotonic() + backoff > give_up_at:
-                log.error("%s; given up after %.0f s", reason, ANNOUNCE_GIVE_UP_S)
-                return
-            log.warning("%s; trying again in %.1f s", reason, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, ANNOUNCE_MAX_BACKOFF_S)
-        self._clear("announce", version)  # a newer version was announced meanwhile
+            log.warning("version %d is not announced: %s", version, error.details())
+        self._clear("announce", version)
 
     async def drain(self) -> None:
         """Waits until every started version is published and announced."""
@@ -181,3 +186,7 @@ class PolicyPublisher:
     def close(self) -> None:
         """Stops the background publisher thread (after the queued versions)."""
         self.publisher.close()
+
+
+def _not_announced(version: int, error: BaseException) -> str:
+    return f"could not announce version {version} to the reconciler: {describe_error(error)}"

@@ -17,7 +17,9 @@ channel's policy (each attempt below is itself retried by the channel):
 * ``retrying(call, policy)`` runs a call again while it fails with one of
   ``policy.codes``, sleeping by the policy's backoff, until ``policy.deadline_s`` (never
   when None). ``call`` may read a whole stream (envs' Generate: a broken stream starts
-  over and its tokens are dropped).
+  over and its tokens are dropped). The trainer's announcement of a policy version uses
+  it too, with every code but FAILED_PRECONDITION (the reconciler has a newer version)
+  as the outage.
 * ``resume_stream(open_stream, policy)`` yields a watch's items and reopens it whenever
   it ends: at once on its deadline (watches outlive the channel's default deadline), after
   the backoff on an outage. ``open_stream`` builds the request from the caller's state,
@@ -84,15 +86,23 @@ class RetryPolicy:
             delay = min(delay * self.backoff_multiplier, self.max_backoff_s)
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
+    """A failure in one line: a gRPC error's code and details, else its type and text."""
     if isinstance(error, aio.AioRpcError):
         return f"{error.code().name}: {error.details()}"
     return f"{type(error).__name__}: {error}"
 
 
-async def retrying(call: Callable[[], Awaitable[T]], policy: RetryPolicy, what: str) -> T:
+async def retrying(
+    call: Callable[[], Awaitable[T]],
+    policy: RetryPolicy,
+    what: str,
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> T:
     """``await call()``, tried again while it fails with an outage of ``policy``; the last
-    error is raised once ``policy.deadline_s`` has passed, any other error at once."""
+    error is raised once ``policy.deadline_s`` has passed, any other error at once.
+    ``on_retry(error)`` is told of each failure that is tried again (a caller that reports
+    the outage meanwhile: the trainer's readiness)."""
     deadline = None if policy.deadline_s is None else time.monotonic() + policy.deadline_s
     delays = policy.backoff()
     while True:
@@ -104,7 +114,9 @@ async def retrying(call: Callable[[], Awaitable[T]], policy: RetryPolicy, what: 
             delay = next(delays)
             if deadline is not None and time.monotonic() + delay > deadline:
                 raise
-            log.warning("%s: %s; retrying in %.2f s", what, _describe(error), delay)
+            log.warning("%s: %s; retrying in %.2f s", what, describe_error(error), delay)
+            if on_retry is not None:
+                on_retry(error)
             await asyncio.sleep(delay)
 
 
@@ -135,7 +147,9 @@ async def resume_stream(
             delay = next(delays)
             if policy.deadline_s is not None and now + delay - failing_since > policy.deadline_s:
                 raise
-            log.warning("%s interrupted (%s); reopening in %.2f s", what, _describe(error), delay)
+            log.warning(
+                "%s interrupted (%s); reopening in %.2f s", what, describe_error(error), delay
+            )
             await asyncio.sleep(delay)
         finally:  # the caller stopped reading: end the call now rather than when collected
             if isinstance(stream, aio.Call):
