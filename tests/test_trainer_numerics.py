@@ -19,7 +19,7 @@ from services.trainer.model import PackedInputs, load_pretrained, token_logprobs
 from services.trainer.model.architecture import Architecture
 from services.trainer.model.layers import RMSNorm, apply_rope, rope_tables
 from services.trainer.model.transformer import MoEBlock
-from services.trainer.precision import PrecisionConfig
+from services.trainer.precision import PrecisionConfig, rounding
 from tests.trainer_support import sharpen_model
 
 ARCH = Architecture(
@@ -122,7 +122,12 @@ def test_fused_add_norm_is_vllms_fused_add_rms_norm() -> None:
     assert not torch.equal(eager, normed)
 
 
-def test_fused_numerics_changes_rounding_only(tiny_model: Path, tmp_path: Path) -> None:
+def test_fused_numerics_changes_rounding_only(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Stored to nearest even, as a CPU with AVX-512 and CUDA do (truncation, on AVX2, is
+    # biased, and lands farther away: the gap claim below is about rounding to nearest).
+    monkeypatch.setattr(rounding, "CPU_TRUNCATES_BF16", False)
     model_dir = sharpen_model(tiny_model, tmp_path / "sharp")
     sequences = [list(range(20, 61)), list(range(100, 120))]
     inputs = PackedInputs.pack([s[:-1] for s in sequences])
@@ -141,6 +146,24 @@ def test_fused_numerics_changes_rounding_only(tiny_model: Path, tmp_path: Path) 
     fused_gap = (results["fused", torch.bfloat16] - exact).abs().mean()
     assert not torch.equal(results["fused", torch.bfloat16], results["eager", torch.bfloat16])
     assert fused_gap < eager_gap
+
+
+def test_kernel_round_truncates_where_vllms_cpu_kernels_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 1 + 2^-8 + 2^-9 lies between two bf16 values: nearest even goes up, truncation down.
+    x = torch.tensor([1 + 2**-8 + 2**-9, -(1 + 2**-8 + 2**-9), 3.0], requires_grad=True)
+    truncated = rounding.truncate_to_bfloat16(x)
+    assert truncated.tolist() == [1.0, -1.0, 3.0]
+    assert x.to(torch.bfloat16).tolist() == [1 + 2**-7, -(1 + 2**-7), 3.0]
+    truncated.float().sum().backward()
+    assert x.grad is not None and x.grad.tolist() == [1.0, 1.0, 1.0]  # as a cast passes it
+    with pytest.raises(ValueError, match="float32"):
+        rounding.truncate_to_bfloat16(x.detach().bfloat16())
+    for truncates, expected in ((True, -1.0), (False, -(1 + 2**-7))):
+        monkeypatch.setattr(rounding, "CPU_TRUNCATES_BF16", truncates)
+        assert rounding.kernel_round(x.detach(), torch.bfloat16)[1].item() == expected
+        assert rounding.kernel_round(x.detach(), torch.float32).dtype == torch.float32
 
 
 def test_fused_numerics_keeps_router_gradients_under_replay(tiny_model: Path) -> None:

@@ -10,7 +10,8 @@ Two orders of rounding (``Numerics``): ``"eager"`` follows the order and dtypes 
 transformers' Qwen3-MoE, so bf16 results are bit-identical to it; ``"fused"`` rounds
 where an inference engine's fused kernels do (vLLM's CPU kernels, measured bit for bit
 in docs/trainer.md): each fused operation computes in float32 and rounds its output
-once.
+once, as the engine's kernels convert on this device (``precision.rounding``: truncation
+on an AVX2 CPU).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from services.trainer.precision.rounding import kernel_round
 
 Numerics = Literal["eager", "fused"]
 """Where bf16 activations round: after every operation as transformers' eager forward does
@@ -82,7 +85,7 @@ def apply_rope(
     if numerics == "fused":
         wide = x.float()
         rotated = wide * cos[:, None, :].float() + _rotate_half(wide) * sin[:, None, :].float()
-        return rotated.to(x.dtype)
+        return kernel_round(rotated, x.dtype)
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 

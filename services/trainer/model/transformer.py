@@ -31,6 +31,7 @@ from services.trainer.model.mtp import MTPHead, mtp_distillation_loss
 from services.trainer.model.prefix_tree import build_prefix_tree
 from services.trainer.model.routing import Router, RoutingDecision
 from services.trainer.precision import MoEExperts, PrecisionConfig
+from services.trainer.precision.rounding import kernel_round
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -189,7 +190,7 @@ class MoEBlock(nn.Module):
             out = self.experts(x[source], group_sizes, fused=True)
             weighted = out * gates.to(x.dtype).float().unsqueeze(-1)
             combined = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            return combined.index_add(0, source, weighted).to(x.dtype), decision
+            return kernel_round(combined.index_add(0, source, weighted), x.dtype), decision
         out = self.experts(x[source], group_sizes)
         weighted = out * gates.to(out.dtype).unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, source, weighted), decision

@@ -18,6 +18,7 @@ from torch import nn
 from services.trainer.precision.config import Precision, PrecisionConfig
 from services.trainer.precision.gemm import grouped_gemm
 from services.trainer.precision.mxfp8 import MXFP8_BLOCK_SIZE
+from services.trainer.precision.rounding import kernel_round
 
 
 class MoEExperts(nn.Module):
@@ -98,7 +99,7 @@ def swiglu_experts(
     if fused:
         hidden = grouped_gemm(tokens_sorted, gate_up, group_sizes, config, float32_output=True)
         gate, up = hidden.split(d_ff, dim=-1)
-        activated = (F.silu(gate) * up).to(tokens_sorted.dtype)
+        activated = kernel_round(F.silu(gate) * up, tokens_sorted.dtype)
         return grouped_gemm(activated, down, group_sizes, config, float32_output=True)
     hidden = grouped_gemm(tokens_sorted, gate_up, group_sizes, config)
     gate, up = hidden.split(d_ff, dim=-1)
