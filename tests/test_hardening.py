@@ -25,8 +25,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api.v1 import common_pb2, envs_pb2, envs_pb2_grpc, reconciler_pb2
 from services.envs.service import EnvsService
+from services.objectstore.local import FileObjectStore
 from services.reconciler.client import ReconcilerClient
 from services.run_config import load_config
+from services.trainer.rollouts import RolloutError, fetch_record
 from services.wire.client import make_channel
 from services.wire.errors import InvalidArgument, require_identifier
 from services.wire.ports import free_port
@@ -158,6 +160,16 @@ async def test_record_keys_are_checked_where_they_enter(client: ReconcilerClient
         assert (await client.get_group(gid)).state == reconciler_pb2.GROUP_STATE_RUNNING
         async with client.lease(slot) as lease:
             assert (await lease.complete(rollout(slot.lease.slot_id))).group_ready
+
+
+def test_a_record_key_no_store_can_hold_fails_its_slot_not_the_step(tmp_path: Path) -> None:
+    """Finding 4: the object store's key check raised a bare ValueError, which the
+    trainer's batch loop (it catches RolloutError) let stop training."""
+    store = FileObjectStore(tmp_path)
+    for key in ["../../etc/passwd", "a//b", "/etc/passwd"]:
+        with pytest.raises(RolloutError) as error:
+            fetch_record(store, common_pb2.ObjectRef(key=key))
+        assert (error.value.reason, error.value.retryable) == ("record_corrupt", False), key
 
 
 def test_ids_end_where_the_text_ends() -> None:

@@ -93,7 +93,8 @@ MALFORMED: dict[str, tuple[str, Any, str]] = {
         ),
         "prompt_token_ids",
     ),
-    "trainer": ("SaveCheckpoint", trainer_pb2.SaveCheckpointRequest(tag="../etc"), "tag"),
+    # A tag that ends in a newline: a '^...$' pattern let it through to the job.
+    "trainer": ("SaveCheckpoint", trainer_pb2.SaveCheckpointRequest(tag="step-1\n"), "tag"),
     "evals": ("RunEval", evals_pb2.RunEvalRequest(suite=""), "suite"),
 }
 

@@ -114,7 +114,10 @@ def _generate(prompt: list[int], **sampling: object) -> inference_pb2.GenerateRe
         (_generate([1], temperature=float("nan")), "sampling.temperature"),
         (_generate([1], top_p=1.5), "sampling.top_p"),
         (_generate([1], min_tokens=9), "sampling.min_tokens"),
+        (_generate([1], top_p=float("nan")), "sampling.top_p"),
+        (_generate([1], top_k=1025), "sampling.top_k"),
         (_generate([1], stop_token_ids=[4096]), "sampling.stop_token_ids[0]"),
+        (_generate([1], stop_token_ids=[1] * 1025), "sampling.stop_token_ids"),
         (inference_pb2.GenerateRequest(prompt_token_ids=[1]), "sampling"),
     ],
 )

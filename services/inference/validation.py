@@ -7,6 +7,8 @@ import math
 from services.api.v1 import inference_pb2
 from services.wire.errors import require, require_identifier
 
+MAX_STOP_TOKENS = 1024
+
 
 def validate_generate(
     request: inference_pb2.GenerateRequest, *, vocab_size: int, max_model_len: int
@@ -47,6 +49,16 @@ def validate_generate(
         sampling.min_tokens <= sampling.max_tokens,
         "sampling.min_tokens",
         f"{sampling.min_tokens} exceeds max_tokens ({sampling.max_tokens})",
+    )
+    require(
+        sampling.top_k <= vocab_size,
+        "sampling.top_k",
+        f"{sampling.top_k} exceeds the vocabulary (size {vocab_size})",
+    )
+    require(
+        len(sampling.stop_token_ids) <= MAX_STOP_TOKENS,
+        "sampling.stop_token_ids",
+        f"{len(sampling.stop_token_ids)} ids; at most {MAX_STOP_TOKENS}",
     )
     for index, token in enumerate(sampling.stop_token_ids):
         require(

@@ -205,6 +205,8 @@ def fetch_record(store: ObjectStore, ref: common_pb2.ObjectRef) -> common_pb2.Ro
         raise RolloutError("record_missing", "the rollout summary has no record reference")
     try:
         data = store.get(ref.key)
+    except ValueError as error:  # check_key: no store could hold it, so no retry finds it
+        raise RolloutError("record_corrupt", str(error)) from None
     except ObjectNotFound as error:
         raise RolloutError("record_missing", str(error)) from None
     except (ObjectStoreError, OSError) as error:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def _checkpoint_message(info: CheckpointInfo) -> trainer_pb2.Checkpoint:
@@ -72,7 +72,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self, request: trainer_pb2.SaveCheckpointRequest, context: aio.ServicerContext
     ) -> trainer_pb2.SaveCheckpointResponse:
         require(
-            _TAG.match(request.tag) is not None,
+            _TAG.fullmatch(request.tag) is not None,
             "tag",
             f"{request.tag[:80]!r} must be 1-64 letters, digits, '.', '_' or '-'",
         )

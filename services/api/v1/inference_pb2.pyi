@@ -58,17 +58,23 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
-    """0 is greedy."""
+    """The ranges below are checked: a value outside answers INVALID_ARGUMENT naming the field.
+    [0, 100]; 0 is greedy.
+    """
     top_p: _builtins.float
-    """(0, 1]; 0 means 1."""
+    """[0, 1]; 0 means 1."""
     top_k: _builtins.int
-    """0 means off."""
+    """At most the vocabulary size; 0 means off."""
     max_tokens: _builtins.int
+    """>= 1; the prompt and max_tokens together fit the replica's context length."""
     seed: _builtins.int
     ignore_eos: _builtins.bool
     min_tokens: _builtins.int
+    """At most max_tokens."""
     @_builtins.property
-    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Each inside the vocabulary; at most 1024 of them."""
+
     def __init__(
         self,
         *,
