@@ -251,7 +251,7 @@ class Attention(nn.Module):
             # A fused attention kernel keeps the scores, the probabilities and the output
             # accumulator in float32 and rounds the output once.
             attended = self.core(query.float(), key.float(), value.float(), cu_seqlens, ancestors)
-            attended = attended.to(query.dtype)
+            attended = kernel_round(attended, query.dtype)
         else:
             attended = self.core(query, key, value, cu_seqlens, ancestors)
         return linear(

@@ -5,9 +5,11 @@ vLLM's CPU kernels convert float32 to bf16 by round-to-nearest-even on a CPU wit
 AVX-512 (measured on AVX-512 BF16 Xeons and EPYCs), and by truncation, dropping the low
 16 bits, on an AVX2 CPU, which has no bf16 conversion instruction: measured bit for bit
 against vLLM's rotary and fused-MoE kernels on a 2-core AVX2 EPYC
-(tests/test_trainer_numerics.py). CUDA kernels round to nearest even. ``numerics =
-"fused"`` stores each fused operation's output with ``kernel_round``, so the trainer
-rounds where, and how, the engine it replays does.
+(tests/test_trainer_numerics.py), and end to end for its attention kernel
+(tests/test_trainer_bench.py). Its RMSNorm, a scalar op, rounds to nearest there too.
+CUDA kernels round to nearest even. ``numerics = "fused"`` stores each fused operation's
+output with ``kernel_round``, so the trainer rounds where, and how, the engine it
+replays does.
 """
 
 from __future__ import annotations
