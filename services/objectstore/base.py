@@ -32,11 +32,17 @@ def sha256_hex(data: Bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+class InvalidObjectKey(ValueError):
+    """A key no store can hold (``check_key``): no retry will find an object there."""
+
+
 def check_key(key: str) -> str:
     """Keys are relative POSIX paths without '..' or empty parts."""
     parts = key.split("/")
     if not key or key.startswith("/") or any(part in ("", ".", "..") for part in parts):
-        raise ValueError(f"invalid object key {key!r}: a relative path without '.', '..' or '//'")
+        raise InvalidObjectKey(
+            f"invalid object key {key!r}: a relative path without '.', '..' or '//'"
+        )
     return key
 
 

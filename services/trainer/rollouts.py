@@ -33,7 +33,13 @@ import torch
 
 from services import routed_experts
 from services.api.v1 import common_pb2
-from services.objectstore.base import ObjectNotFound, ObjectStore, ObjectStoreError, sha256_hex
+from services.objectstore.base import (
+    InvalidObjectKey,
+    ObjectNotFound,
+    ObjectStore,
+    ObjectStoreError,
+    sha256_hex,
+)
 from services.trainer.model.architecture import Architecture
 
 
@@ -205,7 +211,7 @@ def fetch_record(store: ObjectStore, ref: common_pb2.ObjectRef) -> common_pb2.Ro
         raise RolloutError("record_missing", "the rollout summary has no record reference")
     try:
         data = store.get(ref.key)
-    except ValueError as error:  # check_key: no store could hold it, so no retry finds it
+    except InvalidObjectKey as error:
         raise RolloutError("record_corrupt", str(error)) from None
     except ObjectNotFound as error:
         raise RolloutError("record_missing", str(error)) from None
