@@ -93,3 +93,23 @@ def test_staleness_is_never_negative(tmp_path: Path) -> None:
 
     with reconciler(tmp_path, extra="max_staleness = 0") as server:
         asyncio.run(scenario(server.target))
+
+
+def test_staleness_up_to_2_53_is_kept_exactly(tmp_path: Path) -> None:
+    # Staleness is computed in Lua and stored as decimal text, read back as an integer
+    # (never through a float): exact at 2^53 - 1, the largest version a request carries.
+    current = 2**53 - 1
+
+    async def scenario(target: str) -> None:
+        async with make_channel(target, token=TOKEN) as channel:
+            client = ReconcilerClient(channel)
+            future = await client.submit(task("far-behind"), 2)
+            for slot in await client.claim("worker", max_slots=2):
+                async with client.lease(slot) as lease:
+                    await lease.complete(rollout(slot.lease.slot_id))
+            answer = await client.pull_batch("trainer", 0, 1, current_version=current)
+            assert answer.num_stale_dropped == 1 and not answer.groups
+            assert (await client.get_group(future.group_id)).staleness == current
+
+    with reconciler(tmp_path, extra='max_staleness = 0\nstale_policy = "drop"') as server:
+        asyncio.run(scenario(server.target))

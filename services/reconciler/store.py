@@ -281,7 +281,7 @@ class SlotStore:
             created_at=int(fields["created_at"]) / 1000,
             ready_at=int(fields.get("ready_at", 0)) / 1000,
             weight=float(fields.get("weight", 1)),
-            staleness=int(float(fields.get("staleness", 0))),
+            staleness=int(fields.get("staleness", 0)),
         )
         for index, raw in enumerate(slot_rows):
             slot = {_text(key): value for key, value in raw.items()}

@@ -5,8 +5,9 @@
 -- Pulling a step again returns the same groups (a trainer that crashed before its
 -- commit gets back exactly what it had); a committed step cannot be pulled again.
 -- Steps and versions are at most 2^53 - 1 (checked at the RPC boundary): exact as Lua
--- numbers, and stored and joined into keys as the caller's decimal text (Lua's own
--- number-to-text keeps only 14 digits).
+-- numbers, and stored and joined into keys as the caller's decimal text. A computed one
+-- (staleness) is stored through decimal(): Lua's own number-to-text depends on the
+-- Redis build (%.14g or %.17g), and a reader should parse an integer, never a float.
 local consumer, step, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local current, max_stale, policy = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local decay, anchor, partial = tonumber(ARGV[7]), ARGV[8], ARGV[9] == '1'
@@ -44,6 +45,9 @@ local function requeue(gid)
   group_state(gid, 'READY', 'RUNNING')
 end
 
+-- An integer of at most 2^53 - 1 as exact decimal text ('%.0f' prints every digit).
+local function decimal(number) return string.format('%.0f', number) end
+
 local take, staleness, dropped, requeued = {}, {}, 0, 0
 for _, gid in ipairs(redis.call('ZRANGE', P .. ':ready', 0, -1)) do
   if #take >= n then break end
@@ -54,7 +58,7 @@ for _, gid in ipairs(redis.call('ZRANGE', P .. ':ready', 0, -1)) do
   local stale = math.max(current - origin, 0)
   if stale > max_stale and policy == 'drop' then
     redis.call('ZREM', P .. ':ready', gid)
-    redis.call('HSET', group_key(gid), 'drop_reason', 'stale', 'staleness', stale)
+    redis.call('HSET', group_key(gid), 'drop_reason', 'stale', 'staleness', decimal(stale))
     redis.call('HINCRBY', P .. ':counts', 'stale_dropped', 1)
     group_state(gid, 'READY', 'DROPPED')
     dropped = dropped + 1
@@ -66,7 +70,7 @@ for _, gid in ipairs(redis.call('ZRANGE', P .. ':ready', 0, -1)) do
   else
     local weight = 1
     if stale > max_stale then weight = decay ^ (stale - max_stale) end
-    redis.call('HSET', group_key(gid), 'weight', weight, 'staleness', stale)
+    redis.call('HSET', group_key(gid), 'weight', weight, 'staleness', decimal(stale))
     table.insert(take, gid)
     table.insert(staleness, stale)
   end
