@@ -10,18 +10,12 @@ import re
 from collections.abc import Mapping, Sequence
 
 from services.api.v1 import common_pb2
-from services.wire.errors import require, require_identifier, require_range
+from services.objectstore.base import key_problem
+from services.wire.errors import require, require_identifier, require_range, require_text
 from services.wire.requests import MAX_EXACT_INT
 
 _SHA256_HEX = re.compile(r"\A[0-9a-f]{64}\Z")
 
-# The one definition of an object-store key that crosses a service boundary: parts
-# joined by '/', each starting with a letter, digit or '_' (so never '', '.' or '..')
-# and made of letters, digits and '._=+@,:-'; at most MAX_KEY_BYTES in all. Every key
-# this accepts is one every store accepts (services.objectstore.base.check_key).
-_KEY_PART = r"[A-Za-z0-9_][A-Za-z0-9._=+@,:-]{0,254}"
-_OBJECT_KEY = re.compile(rf"\A{_KEY_PART}(?:/{_KEY_PART})*\Z")
-MAX_KEY_BYTES = 1024
 # Workspace paths: what Linux takes (PATH_MAX, NAME_MAX).
 MAX_PATH_BYTES = 4096
 MAX_NAME_BYTES = 255
@@ -33,6 +27,16 @@ MAX_COMMAND_BYTES = 1024 * 1024
 MAX_ENV_VARS = 1024
 _ENV_NAME = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]{0,255}\Z")
 MAX_GRADING_TIMEOUT_S = 3600.0
+# A task's text and inline files. Inline workspaces stay well inside a gRPC message
+# (64 MiB by default); larger ones travel as a workspace_archive in the object store.
+MAX_INSTRUCTION_BYTES = 1024 * 1024
+MAX_SPLIT_BYTES = 64
+MAX_METADATA_ENTRIES = 256
+MAX_METADATA_KEY_BYTES = 256
+MAX_METADATA_VALUE_BYTES = 64 * 1024
+MAX_FILES = 4096
+MAX_FILE_BYTES = 16 * 1024 * 1024
+MAX_INLINE_FILES_BYTES = 32 * 1024 * 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -58,16 +62,10 @@ def require_relative_path(path: str, field: str) -> None:
 
 
 def require_object_key(key: str, field: str) -> None:
-    """An object-store key (see _OBJECT_KEY): relative, no '..', no '//', bounded."""
-    require(bool(key), field, "must not be empty")
-    size = len(key.encode())
-    require(size <= MAX_KEY_BYTES, field, f"at most {MAX_KEY_BYTES} bytes, got {size}")
-    require(
-        _OBJECT_KEY.match(key) is not None,
-        field,
-        f"{key[:80]!r} is not an object key ('/'-separated parts of letters, digits and "
-        "'._=+@,:-', each starting with a letter, digit or '_')",
-    )
+    """An object-store key by the one definition (``services.objectstore.base.key_problem``):
+    relative, no '', '.' or '..' part, bounded."""
+    problem = key_problem(key)
+    require(problem is None, field, problem or "")
 
 
 def require_command(
@@ -105,11 +103,32 @@ def require_command(
     )
 
 
+def validate_files(files: Sequence[common_pb2.WorkspaceFile], field: str) -> None:
+    """At most MAX_FILES files with safe paths, each at most MAX_FILE_BYTES and all
+    together at most MAX_INLINE_FILES_BYTES."""
+    require(len(files) <= MAX_FILES, field, f"at most {MAX_FILES} files, got {len(files)}")
+    total = 0
+    for index, file in enumerate(files):
+        require_relative_path(file.path, f"{field}[{index}].path")
+        size = len(file.content)
+        require(
+            size <= MAX_FILE_BYTES,
+            f"{field}[{index}].content",
+            f"at most {MAX_FILE_BYTES} bytes, got {size}",
+        )
+        total += size
+    require(
+        total <= MAX_INLINE_FILES_BYTES,
+        field,
+        f"at most {MAX_INLINE_FILES_BYTES} bytes of content in all, got {total} "
+        "(a larger workspace travels as workspace_archive)",
+    )
+
+
 def validate_grading(grading: common_pb2.GradingSpec, field: str) -> None:
     """A command, hidden files with safe paths, a timeout in [0, MAX_GRADING_TIMEOUT_S]."""
     require_command(grading.command, f"{field}.command")
-    for index, file in enumerate(grading.hidden_files):
-        require_relative_path(file.path, f"{field}.hidden_files[{index}].path")
+    validate_files(grading.hidden_files, f"{field}.hidden_files")
     require_range(grading.timeout_s, f"{field}.timeout_s", 0, MAX_GRADING_TIMEOUT_S)
 
 
@@ -132,12 +151,24 @@ def validate_version_notice(notice: common_pb2.PolicyVersionNotice, field: str =
 
 
 def validate_task(task: common_pb2.Task, field: str) -> None:
-    """A task has an id, a family, workspace files with safe paths and a grading command."""
+    """A task has an id, a family, bounded text without NUL bytes (split, instruction,
+    metadata), bounded workspace files with safe paths and a grading command."""
     require_identifier(task.task_id, f"{field}.task_id")
     require_identifier(task.family, f"{field}.family")
+    require_text(task.split, f"{field}.split", MAX_SPLIT_BYTES)
+    require_text(task.instruction, f"{field}.instruction", MAX_INSTRUCTION_BYTES)
+    require(
+        len(task.metadata) <= MAX_METADATA_ENTRIES,
+        f"{field}.metadata",
+        f"at most {MAX_METADATA_ENTRIES} entries, got {len(task.metadata)}",
+    )
+    for key, value in task.metadata.items():
+        entry = f"{field}.metadata[{key[:40]!r}]"
+        require(bool(key), entry, "a key must not be empty")
+        require_text(key, entry, MAX_METADATA_KEY_BYTES)
+        require_text(value, entry, MAX_METADATA_VALUE_BYTES)
     validate_grading(task.grading, f"{field}.grading")
-    for index, file in enumerate(task.files):
-        require_relative_path(file.path, f"{field}.files[{index}].path")
+    validate_files(task.files, f"{field}.files")
     if task.HasField("workspace_archive"):
         validate_object_ref(task.workspace_archive, f"{field}.workspace_archive")
     require(

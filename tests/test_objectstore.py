@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 
 from services.config import ObjectStoreConfig
+from services.messages import require_object_key
 from services.objectstore import ObjectNotFound, ObjectStore, ObjectStoreError, open_store
+from services.objectstore.base import InvalidObjectKey, check_key
 from services.objectstore.local import FileObjectStore
 from services.objectstore.s3 import RETRIES, S3ObjectStore
+from services.wire.errors import InvalidArgument
 from tests.objectstore_support import (
     MIN_PART,
     FaultyProxy,
@@ -58,10 +61,29 @@ def test_large_objects_round_trip_in_parts(store: ObjectStore) -> None:
     )
 
 
-@pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "./a"])
+BAD_KEYS = ["", "/abs", "a/../b", "a//b", "./a", "a/", "a b", ".hidden", "a\nb", "k" * 1025]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
 def test_bad_keys_are_refused(store: ObjectStore, key: str) -> None:
-    with pytest.raises(ValueError, match="invalid object key"):
+    with pytest.raises(InvalidObjectKey, match="invalid object key"):
         store.put(key, b"x")
+
+
+@pytest.mark.parametrize("key", [*BAD_KEYS, "rollouts/run/g-1:0/3.pb", "w/v12/manifest.json"])
+def test_one_key_definition_for_stores_and_requests(key: str) -> None:
+    """A key a request may carry is exactly a key every store can hold."""
+    try:
+        require_object_key(key, "key")
+        accepted_at_boundary = True
+    except InvalidArgument:
+        accepted_at_boundary = False
+    try:
+        check_key(key)
+        accepted_by_stores = True
+    except InvalidObjectKey:
+        accepted_by_stores = False
+    assert accepted_at_boundary == accepted_by_stores == (key not in BAD_KEYS)
 
 
 def test_file_store_never_shows_partial_files(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -36,13 +37,36 @@ class InvalidObjectKey(ValueError):
     """A key no store can hold (``check_key``): no retry will find an object there."""
 
 
-def check_key(key: str) -> str:
-    """Keys are relative POSIX paths without '..' or empty parts."""
-    parts = key.split("/")
-    if not key or key.startswith("/") or any(part in ("", ".", "..") for part in parts):
-        raise InvalidObjectKey(
-            f"invalid object key {key!r}: a relative path without '.', '..' or '//'"
+# The one definition of an object key, for every store and every service boundary
+# (``services.messages.require_object_key`` answers INVALID_ARGUMENT with it): parts
+# joined by '/', each starting with a letter, digit or '_' (so never '', '.' or '..')
+# and made of letters, digits and '._=+@,:-'; at most MAX_KEY_BYTES in all. Such a key
+# is a safe relative path under a directory and a valid S3 key.
+_KEY_PART = r"[A-Za-z0-9_][A-Za-z0-9._=+@,:-]{0,254}"
+_OBJECT_KEY = re.compile(rf"\A{_KEY_PART}(?:/{_KEY_PART})*\Z")
+MAX_KEY_BYTES = 1024
+
+
+def key_problem(key: str) -> str | None:
+    """Why `key` is not an object key (see above), or None when it is one."""
+    if not key:
+        return "must not be empty"
+    size = len(key.encode())
+    if size > MAX_KEY_BYTES:
+        return f"at most {MAX_KEY_BYTES} bytes, got {size}"
+    if _OBJECT_KEY.match(key) is None:
+        return (
+            f"{key[:80]!r} is not an object key ('/'-separated parts of letters, digits "
+            "and '._=+@,:-', each starting with a letter, digit or '_')"
         )
+    return None
+
+
+def check_key(key: str) -> str:
+    """`key` itself when it is an object key; InvalidObjectKey saying why otherwise."""
+    problem = key_problem(key)
+    if problem is not None:
+        raise InvalidObjectKey(f"invalid object key: {problem}")
     return key
 
 
