@@ -19,6 +19,8 @@ def _task(**overrides: object) -> common_pb2.Task:
     for key, value in overrides.items():
         if key == "files":
             task.files.extend(value)  # type: ignore[arg-type]
+        elif key == "metadata":
+            task.metadata.update(value)  # type: ignore[call-overload]
         else:
             setattr(task, key, value)
     return task
@@ -33,6 +35,30 @@ def _task(**overrides: object) -> common_pb2.Task:
         (_task(files=[common_pb2.WorkspaceFile(path="../escape")]), "task.files[0].path"),
         (_task(files=[common_pb2.WorkspaceFile(path="/etc/passwd")]), "task.files[0].path"),
         (_task(difficulty=1.5), "task.difficulty"),
+        (_task(instruction="write\x00it"), "task.instruction"),
+        (_task(instruction="x" * (1024 * 1024 + 1)), "task.instruction"),
+        (_task(split="s" * 65), "task.split"),
+        (_task(metadata={"entry\x00": "f"}), r"task.metadata['entry\x00']"),
+        (_task(metadata={"entry": "v" * (64 * 1024 + 1)}), "task.metadata['entry']"),
+        (_task(metadata={"": "v"}), "task.metadata['']"),
+        (_task(metadata={f"k{i}": "" for i in range(257)}), "task.metadata"),
+        (
+            _task(files=[common_pb2.WorkspaceFile(path="big", content=bytes(16 * 2**20 + 1))]),
+            "task.files[0].content",
+        ),
+        (
+            _task(
+                files=[
+                    common_pb2.WorkspaceFile(path=f"f{i}", content=bytes(11 * 2**20))
+                    for i in range(3)
+                ]
+            ),
+            "task.files",
+        ),
+        (
+            _task(files=[common_pb2.WorkspaceFile(path=f"f{i}") for i in range(4097)]),
+            "task.files",
+        ),
         (common_pb2.Task(task_id="t", family="f"), "task.grading.command"),
     ],
 )
@@ -44,6 +70,21 @@ def test_task_problems_name_the_field(task: common_pb2.Task, field: str) -> None
 
 def test_valid_task_passes() -> None:
     validate_task(_task(files=[common_pb2.WorkspaceFile(path="src/a.py")]), "task")
+    # At the limits, not past them.
+    at_limits = _task(
+        instruction="x" * 1024 * 1024,
+        split="s" * 64,
+        metadata={"k" * 256: "v" * 64 * 1024},
+        files=[common_pb2.WorkspaceFile(path="big", content=bytes(16 * 2**20))],
+    )
+    validate_task(at_limits, "task")
+
+
+def test_hidden_files_are_bounded_like_workspace_files() -> None:
+    task = _task()
+    task.grading.hidden_files.add(path="tests/t.py", content=bytes(16 * 2**20 + 1))
+    with pytest.raises(InvalidArgument, match=r"^task\.grading\.hidden_files\[0\]\.content: "):
+        validate_task(task, "task")
 
 
 @pytest.mark.parametrize(
@@ -135,6 +176,10 @@ def test_exec_and_fork() -> None:
     with pytest.raises(InvalidArgument, match=r"^env\['A=B'\]: "):
         envs_validation.validate_exec(
             envs_pb2.ExecRequest(workspace_id="w", argv=["ls"], env={"A=B": "1"})
+        )
+    with pytest.raises(InvalidArgument, match=r"^stdin: at most 16777216 bytes"):
+        envs_validation.validate_exec(
+            envs_pb2.ExecRequest(workspace_id="w", argv=["cat"], stdin=bytes(16 * 2**20 + 1))
         )
     with pytest.raises(InvalidArgument, match=r"^num_forks: "):
         envs_validation.validate_fork(envs_pb2.ForkWorkspaceRequest(source_id="w", num_forks=0))

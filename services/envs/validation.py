@@ -8,6 +8,8 @@ from services.wire.errors import require, require_identifier, require_range
 
 MAX_FORKS = 256
 MAX_EXEC_TIMEOUT_S = 3600.0
+# What a command reads on its standard input; larger input belongs in a workspace file.
+MAX_STDIN_BYTES = 16 * 1024 * 1024
 
 
 def validate_create(request: envs_pb2.CreateWorkspaceRequest) -> None:
@@ -24,10 +26,13 @@ def validate_fork(request: envs_pb2.ForkWorkspaceRequest) -> None:
 
 def validate_exec(request: envs_pb2.ExecRequest) -> None:
     """A workspace, an argv and environment the kernel can exec (no NUL byte, within
-    Linux's sizes; ``services.messages.require_command``) and a timeout within bounds."""
+    Linux's sizes; ``services.messages.require_command``), a timeout within bounds and at
+    most MAX_STDIN_BYTES of standard input."""
     require_identifier(request.workspace_id, "workspace_id")
     require_command(request.argv, "argv", request.env, "env")
     require_range(request.timeout_s, "timeout_s", 0, MAX_EXEC_TIMEOUT_S)
+    size = len(request.stdin)
+    require(size <= MAX_STDIN_BYTES, "stdin", f"at most {MAX_STDIN_BYTES} bytes, got {size}")
 
 
 def validate_grade(request: envs_pb2.GradeRequest) -> None:

@@ -258,6 +258,9 @@ class WorkspaceFile(_message.Message):
     part, no control character; at most 4,096 bytes, 255 a part.
     """
     content: _builtins.bytes
+    """At most 16 MiB a file; a task's inline files (and a grading's hidden files) at
+    most 4,096 and 32 MiB in all: a larger workspace travels as workspace_archive.
+    """
     executable: _builtins.bool
     def __init__(
         self,
@@ -355,8 +358,9 @@ class Task(_message.Message):
     family: _builtins.str
     """Task family folder: "synthetic", "humaneval", "repo"."""
     split: _builtins.str
-    """"train", "heldout", ..."""
+    """"train", "heldout", ...: at most 64 bytes, no NUL byte."""
     instruction: _builtins.str
+    """What the agent is asked to do: at most 1 MiB, no NUL byte."""
     difficulty: _builtins.float
     """Family-defined difficulty in [0, 1]."""
     @_builtins.property
@@ -370,7 +374,11 @@ class Task(_message.Message):
     @_builtins.property
     def grading(self) -> Global___GradingSpec: ...
     @_builtins.property
-    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Family-defined: at most 256 entries; keys 1-256 bytes, values at most 64 KiB,
+        neither with a NUL byte.
+        """
+
     def __init__(
         self,
         *,

@@ -175,6 +175,7 @@ class ExecRequest(_message.Message):
     timeout_s: _builtins.float
     """Wall-clock limit in seconds, 0 .. 3,600; 0 means the service default."""
     stdin: _builtins.bytes
+    """Standard input of the command, at most 16 MiB."""
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Command and arguments; no shell unless argv asks for one. 1-4,096 arguments, the
