@@ -51,6 +51,7 @@ from services.trainer.planning import StepMessage, StepPlanner
 from services.trainer.publishing import PolicyPublisher
 from services.trainer.runtime import TrainerRuntime
 from services.trainer.sft import ExampleStream, example_items, open_source
+from services.wire.supervise import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,9 @@ class TrainingJob:
         self.uncommitted: list[str] = list(resumed["uncommitted"])
         self.metrics: dict[str, float] = {}
         self.requests = CheckpointRequests()
+        # The job's background loops (the publisher's), supervised: a crash is logged with
+        # its traceback, reported by fault() (the service's readiness) and restarted.
+        self.background = Supervisor("trainer")
 
     @classmethod
     def build(
@@ -152,6 +156,11 @@ class TrainingJob:
         """The version of the current weights."""
         return self.initial_version + self.step
 
+    def fault(self) -> str | None:
+        """What keeps the newest versions from being published and announced (None when
+        nothing does): the publisher's own faults, or its loop's crash."""
+        return self.publisher.fault() or self.background.fault()
+
     @property
     def last_published_version(self) -> int:
         """The newest version whose manifest is written (the start version before any)."""
@@ -159,6 +168,7 @@ class TrainingJob:
 
     async def run(self) -> None:
         """Runs the job to its end; a failure is logged and reported, not raised."""
+        self.background.start("publisher", self.publisher.run)
         try:
             await self._commit()  # groups a previous process checkpointed but did not commit
             self.state = "running"
@@ -172,6 +182,7 @@ class TrainingJob:
             self.state, self.error = "failed", f"{type(error).__name__}: {error}"
         finally:
             self.publisher.close()
+            await self.background.stop()
         # Requests that came in while the job was ending: saved if it ended well in one
         # process (the ranks of a distributed job have stopped).
         can_save = self.state == "done" and self.runtime.world_size == 1

@@ -14,14 +14,18 @@ Nothing here fails silently: a version that cannot be uploaded (after the publis
 own tries) is logged with its traceback and reported by ``fault()`` (the trainer's
 readiness turns NOT_SERVING with it) until a later version is published, which
 supersedes it; a notice the reconciler does not take is tried again with backoff until
-it is taken, a newer one is, or ``ANNOUNCE_RETRY.deadline_s`` passes, reported meanwhile
-(``services.wire.retry.retrying``).
+it is taken, a newer one is (or a newer version is uploaded, to be announced instead),
+or ``ANNOUNCE_RETRY.deadline_s`` passes, reported meanwhile
+(``services.wire.retry.retrying``). The versions are settled (upload awaited, notice
+sent) by one loop, ``run``, which the job runs under the service's supervisor
+(``services.wire.supervise``): an error nobody expected is logged with its traceback,
+turns readiness NOT_SERVING and restarts the loop, and the version it was settling
+stays pending, so none is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from concurrent.futures import Future
@@ -85,7 +89,9 @@ class PolicyPublisher:
         self.already_published = -1 if latest is None else latest
         self.last_published_version = max(self.already_published, 0)
         self.last_announced_version = 0
-        self._announcements: set[asyncio.Task[None]] = set()
+        # Versions started and not yet settled, oldest first (uploads finish in order).
+        self._pending: dict[int, Future[PublishResult]] = {}
+        self._changed = asyncio.Event()  # set whenever _pending gains or loses a version
         self.failures = 0
         # What is wrong now, by part ("upload", "announce"): (version, reason). A later
         # version that gets through the same part clears it.
@@ -101,13 +107,22 @@ class PolicyPublisher:
         if version <= self.already_published:
             return False
         tensors = await asyncio.to_thread(self.runtime.served_weights, model)
-        future = await asyncio.to_thread(self.publisher.publish, tensors, version)
-        task = asyncio.get_running_loop().create_task(
-            self._announce(version, future), name=f"announce-v{version}"
-        )
-        self._announcements.add(task)
-        task.add_done_callback(functools.partial(self._announced, version))
+        self._pending[version] = await asyncio.to_thread(self.publisher.publish, tensors, version)
+        self._changed.set()
         return True
+
+    async def run(self) -> None:
+        """Settles the started versions, oldest first, for as long as the job runs (under
+        a supervisor: a crash leaves the version it was settling pending for the restart)."""
+        while True:
+            if not self._pending:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            version, future = next(iter(self._pending.items()))
+            await self._announce(version, future)
+            del self._pending[version]
+            self._changed.set()
 
     def fault(self) -> str | None:
         """Why the newest versions are not all published and announced (None when they are)."""
@@ -119,15 +134,6 @@ class PolicyPublisher:
     def _clear(self, part: str, version: int) -> None:
         if part in self._faults and self._faults[part][0] <= version:
             del self._faults[part]
-
-    def _announced(self, version: int, task: asyncio.Task[None]) -> None:
-        """Reports an announcement that ended on an error it did not expect (a bug)."""
-        self._announcements.discard(task)
-        if task.cancelled() or (error := task.exception()) is None:
-            return
-        log.error("announcing version %d failed", version, exc_info=error)
-        reason = f"announcing version {version} failed: {type(error).__name__}: {error}"
-        self._report("announce", version, reason)
 
     async def _announce(self, version: int, future: Future[PublishResult]) -> None:
         try:
@@ -157,7 +163,8 @@ class PolicyPublisher:
         version = notice.version
 
         async def announce() -> None:
-            if self.last_announced_version < version:  # else a newer one was, meanwhile
+            # Not when a newer one was announced meanwhile, or uploaded: it goes next.
+            if self.last_announced_version < version and not self._newer_uploaded(version):
                 await reconciler.publish_version(notice)
                 self.last_announced_version = max(self.last_announced_version, version)
 
@@ -178,10 +185,19 @@ class PolicyPublisher:
             log.warning("version %d is not announced: %s", version, error.details())
         self._clear("announce", version)
 
+    def _newer_uploaded(self, version: int) -> bool:
+        """Whether a version newer than `version` is uploaded and waits to be announced."""
+        return any(
+            newer > version and future.done() and future.exception() is None
+            for newer, future in self._pending.items()
+        )
+
     async def drain(self) -> None:
-        """Waits until every started version is published and announced."""
-        while self._announcements:
-            await asyncio.gather(*list(self._announcements), return_exceptions=True)
+        """Waits until every started version is settled (published and announced, or
+        reported); ``run`` must be running."""
+        while self._pending:
+            self._changed.clear()
+            await self._changed.wait()
 
     def close(self) -> None:
         """Stops the background publisher thread (after the queued versions)."""

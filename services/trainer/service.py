@@ -165,7 +165,7 @@ class TrainerService(Service):
         state, error = self._job_state()
         if state == "failed":
             return Readiness(False, f"training job failed: {error}")
-        if self.job is not None and (fault := self.job.publisher.fault()) is not None:
+        if self.job is not None and (fault := self.job.fault()) is not None:
             return Readiness(False, fault)
         return Readiness(True, "ok" if self.runtime is None else f"job {state}")
 
