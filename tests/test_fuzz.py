@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,9 +122,18 @@ def _readiness(channel: grpc.Channel) -> int:
     return int(answer.status)
 
 
+def _unchanged(body: bytes) -> bytes:
+    return body
+
+
 def _fuzz_method(
-    channel: grpc.Channel, service: ServiceDescriptor, method: MethodDescriptor, tally: Tally
+    channel: grpc.Channel,
+    service: ServiceDescriptor,
+    method: MethodDescriptor,
+    tally: Tally,
+    rewrite: Callable[[bytes], bytes] = _unchanged,
 ) -> None:
+    """Sends EXAMPLES drawn bodies (each through `rewrite`) to one method."""
     path = f"/{service.full_name}/{method.name}"
 
     @settings(
@@ -137,6 +146,7 @@ def _fuzz_method(
     )
     @given(request_bodies(method.input_type))
     def send(body: bytes) -> None:
+        body = rewrite(body)
         token = (tally.calls + 1) % UNAUTHENTICATED_EVERY != 0
         code = _call(channel, path, method, body, token)
         tally.add(f"{service.name}.{method.name}", code)
@@ -274,9 +284,15 @@ async def _normal_cycle(target: str) -> None:
             assert (await lease.complete(rollout(mine.lease.slot_id))).group_ready
         status = await client.stub.GetStatus(common_pb2.StatusRequest())
         version = status.current_policy_version
-        batch = await client.pull_batch("after-fuzz", 1, 1, current_version=version)
-        assert [g.group_id for g in batch.groups] == [future.group_id]
-        assert await client.commit("after-fuzz", 1) == 1
+        # Groups the fuzzer's completions made ready come first: train them too, one a step.
+        consumer, pulled = f"after-fuzz-{uuid.uuid4().hex[:8]}", []
+        async with asyncio.timeout(60):
+            while future.group_id not in pulled:
+                step = len(pulled) + 1
+                batch = await client.pull_batch(consumer, step, 1, current_version=version)
+                assert len(batch.groups) == 1, batch
+                pulled.append(batch.groups[0].group_id)
+                assert await client.commit(consumer, step) == 1
 
 
 def _fuzz_every_method(target: str, service: ServiceDescriptor) -> None:
@@ -299,6 +315,97 @@ def test_fuzz_reconciler(targets: Targets) -> None:
     asyncio.run(_normal_cycle(targets.reconciler.target))
     log = targets.reconciler.log()
     _assert_no_errors(log)
+
+
+# The methods that act on a lease, and the request field that holds the leases ("": the
+# request itself).
+LEASED = {"HeartbeatSlot": "", "HeartbeatSlots": "leases", "CompleteSlot": "", "FailSlot": ""}
+# Every other drawn body is merged into one of these (its set fields win), so that the
+# fields a drawn body leaves unset do not stop it at validation before the slot.
+VALID_BASES = {
+    "CompleteSlot": reconciler_pb2.CompleteSlotRequest(
+        rollout=common_pb2.RolloutSummary(
+            rollout_id="r-fuzz",
+            record=common_pb2.ObjectRef(key="rollouts/fuzz/r.pb", sha256="0" * 64),
+        )
+    ),
+    "FailSlot": reconciler_pb2.FailSlotRequest(reason="fuzz"),
+}
+
+
+async def _claim_leases(target: str, count: int) -> list[reconciler_pb2.Lease]:
+    """`count` live leases of fresh one-slot groups."""
+    async with make_channel(target, token=TOKEN) as channel:
+        client = ReconcilerClient(channel)
+        specs = [
+            reconciler_pb2.GroupSpec(
+                task=task(f"leased-{index}"),
+                num_samples=1,
+                kind=common_pb2.SLOT_KIND_TRAIN,
+                priority=1000,
+            )
+            for index in range(count)
+        ]
+        wanted = {future.group_id for future in await client.submit_many(specs)}
+        leases: list[reconciler_pb2.Lease] = []
+        async with asyncio.timeout(30):
+            while len(leases) < count:
+                for claimed in await client.claim("fuzz-leases", 256, lease_ttl_s=600):
+                    if claimed.lease.group_id in wanted:
+                        leases.append(claimed.lease)
+                        continue
+                    async with client.lease(claimed) as lease:  # one the fuzzer submitted
+                        await lease.fail("drained before fuzzing", retryable=False)
+        return leases
+
+
+def _lease_rewriter(
+    method: MethodDescriptor, leases: list[reconciler_pb2.Lease]
+) -> Callable[[bytes], bytes]:
+    """Puts live leases (slot id and token) into drawn bodies that parse, so their other
+    fields reach the state behind a valid lease; bodies that do not parse stay as drawn."""
+    request_type = message_factory.GetMessageClass(method.input_type)
+    calls, turn = iter(range(1 << 62)), iter(range(1 << 62))
+
+    def rewrite(body: bytes) -> bytes:
+        try:
+            drawn = request_type.FromString(body)
+        except Exception:  # not a message: sent as it is
+            return body
+        request = request_type()
+        if method.name in VALID_BASES and next(calls) % 2:
+            request.CopyFrom(VALID_BASES[method.name])
+        request.MergeFrom(drawn)
+        entries = getattr(request, LEASED[method.name]) if LEASED[method.name] else [request]
+        if not entries:
+            entries = [entries.add()]
+        for entry in entries:
+            lease = leases[next(turn) % len(leases)]
+            entry.slot_id, entry.lease_token = lease.slot_id, lease.lease_token
+        return request.SerializeToString()
+
+    return rewrite
+
+
+def test_fuzz_reconciler_behind_valid_leases(targets: Targets) -> None:
+    """Bodies for the leased methods carry live leases: validation passes on the lease and
+    the drawn rollouts, reasons and heartbeats reach the slots themselves."""
+    target = targets.reconciler.target
+    service = reconciler_pb2.DESCRIPTOR.services_by_name["ReconcilerService"]
+    tally = Tally()
+    with grpc.insecure_channel(target) as channel:
+        for name in LEASED:
+            method = service.methods_by_name[name]
+            leases = asyncio.run(_claim_leases(target, EXAMPLES))
+            _fuzz_method(channel, service, method, tally, _lease_rewriter(method, leases))
+            assert _readiness(channel) == health_pb2.HealthCheckResponse.SERVING, name
+    _report("ReconcilerService (live leases)", tally)
+    assert not NEVER & {grpc.StatusCode[name] for name in tally.statuses}
+    # Behind the lease: completions and failures the state machine took.
+    assert tally.by_method["ReconcilerService.CompleteSlot"]["OK"] > 0, tally.by_method
+    assert tally.by_method["ReconcilerService.FailSlot"]["OK"] > 0, tally.by_method
+    asyncio.run(_normal_cycle(target))
+    _assert_no_errors(targets.reconciler.log())
 
 
 def test_fuzz_envs(targets: Targets) -> None:
