@@ -111,6 +111,22 @@ def test_submit_groups(request_: reconciler_pb2.SubmitGroupsRequest, field: str)
     assert error.value.field == field
 
 
+def test_complete_slot_bounds_the_summary_kept_in_redis() -> None:
+    request = reconciler_pb2.CompleteSlotRequest(
+        slot_id="0123456789abcdef/0",
+        lease_token="t",
+        rollout=common_pb2.RolloutSummary(
+            rollout_id="r-1",
+            record=common_pb2.ObjectRef(key="rollouts/r.pb", sha256="0" * 64),
+            finish_reason="x" * 2**20,
+        ),
+    )
+    with pytest.raises(InvalidArgument, match=r"^rollout: at most 1048576 bytes"):
+        reconciler_validation.validate_complete_slot(request)
+    request.rollout.finish_reason = "stop"
+    reconciler_validation.validate_complete_slot(request)
+
+
 def test_complete_slot_needs_a_record_with_a_checksum() -> None:
     request = reconciler_pb2.CompleteSlotRequest(
         slot_id="s-1",

@@ -21,6 +21,8 @@ MAX_VERSION = MAX_EXACT_INT
 MAX_STEP = MAX_EXACT_INT
 MAX_TOKEN_BYTES = 256
 MAX_REASON_BYTES = 4096
+# A rollout summary is kept in Redis as sent; the rollout itself is in the object store.
+MAX_SUMMARY_BYTES = 1024 * 1024
 _GROUP_ID = re.compile(r"\A[0-9a-f]{16}\Z")
 _SLOT_ID = re.compile(r"\A[0-9a-f]{16}/[0-9]{1,4}\Z")
 MAX_GROUPS_PER_CALL = 10_000
@@ -107,6 +109,8 @@ def validate_complete_slot(request: reconciler_pb2.CompleteSlotRequest) -> None:
     """A lease and a rollout summary that points at its stored record."""
     validate_lease(request.slot_id, request.lease_token)
     require(request.HasField("rollout"), "rollout", "must be set")
+    size = request.rollout.ByteSize()
+    require(size <= MAX_SUMMARY_BYTES, "rollout", f"at most {MAX_SUMMARY_BYTES} bytes, got {size}")
     require_identifier(request.rollout.rollout_id, "rollout.rollout_id")
     validate_object_ref(request.rollout.record, "rollout.record")
 

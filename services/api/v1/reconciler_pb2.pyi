@@ -410,7 +410,8 @@ class CompleteSlotRequest(_message.Message):
     @_builtins.property
     def rollout(self) -> _common_pb2.RolloutSummary:
         """rollout_id is an id; record.key an object key (ObjectRef.key), checked here so
-        that every record the trainer is handed has a key it can load.
+        that every record the trainer is handed has a key it can load. At most 1 MiB
+        serialized (it is kept in Redis; the rollout itself is in the object store).
         """
 
     def __init__(
