@@ -167,7 +167,7 @@ def tasks_export(
     count: Annotated[int, typer.Option(min=1, help="How many tasks (positions 0..count-1).")],
     generator: Annotated[
         str, typer.Option(help="'module:function', (position, seed) -> Task | None.")
-    ] = "services.envs.families.synthetic:task_at",
+    ] = "services.families.synthetic:task_at",
     seed: Annotated[int, typer.Option(min=0, help="Seed passed to the generator.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Write the JSON lines to this file.")] = None,
     key: Annotated[

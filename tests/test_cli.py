@@ -115,7 +115,7 @@ def test_a_wrong_bench_setting_is_named_not_a_traceback(monkeypatch: pytest.Monk
 def test_tasks_export_writes_what_the_jsonl_feeder_reads(tmp_path: Path) -> None:
     """To a file and to an object-store key; the feeder reads back the generator's tasks."""
     from services.config import ObjectStoreConfig
-    from services.envs.families.synthetic import task_at
+    from services.families.synthetic import task_at
     from services.objectstore import open_store
     from services.reconciler.config import FeederConfig
     from services.reconciler.feeders import build_feeder

@@ -25,7 +25,7 @@ from services.envs.tools import Tools
 from services.envs.worker import RolloutWorker
 from services.envs.workspace import Workspaces
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.wire.client import make_channel
 from tests.conftest import TOKEN, Deployment
 from tests.reconciler_support import reconciler

@@ -29,8 +29,6 @@ from prometheus_client import REGISTRY
 
 from services.api.v1 import common_pb2, reconciler_pb2
 from services.envs import sandbox as sandbox_module
-from services.envs.families import RUNNER_PATH
-from services.envs.families.synthetic import make_task
 from services.envs.faults import (
     INFRA_PREFIX,
     InfraFault,
@@ -42,7 +40,9 @@ from services.envs.grading import grade_files
 from services.envs.sandbox import START_SIGNAL, SandboxConfig, make_sandbox
 from services.envs.tools import ToolCall, Tools
 from services.envs.workspace import Workspaces
-from services.reconciler.client import ReconcilerClient
+from services.families import RUNNER_PATH
+from services.families.synthetic import make_task
+from services.reconciler_client import ReconcilerClient
 from services.wire.client import make_channel
 from tests.conftest import TOKEN
 from tests.evals_support import ScriptedStack

@@ -27,7 +27,7 @@ from services.api.v1 import common_pb2, inference_pb2_grpc
 from services.config import WeightsConfig
 from services.inference.service import InferenceService
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.run_config import load_config
 from services.weights.manifest import Layout
 from services.weights.publisher import WeightPublisher

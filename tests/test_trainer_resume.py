@@ -18,7 +18,7 @@ import torch
 
 from services.api.v1 import common_pb2, reconciler_pb2, trainer_pb2, trainer_pb2_grpc
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.config import JobConfig
 from services.trainer.learner import Learner

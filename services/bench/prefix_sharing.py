@@ -44,8 +44,8 @@ NUM_GROUPS, GROUP_SIZE = 8, 4
 
 def _transcripts(tokenizer: object, num_tasks: int) -> list[tuple[list[int], list[bool]]]:
     """Token ids of whole task transcripts and which tokens the assistant generated."""
-    from services.envs.families import CANONICAL_KEY
-    from services.envs.families.synthetic import make_task
+    from services.families import CANONICAL_KEY
+    from services.families.synthetic import make_task
     from services.launcher.base_model import transcript_examples
 
     transcripts = []

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
-    from services.envs.families import TaskFamily
     from services.envs.sandbox import SandboxConfig
+    from services.families import TaskFamily
 
 envs_app = typer.Typer(help="Sandboxed commands and task grading.", no_args_is_help=True)
 
@@ -54,7 +54,7 @@ def _sandbox_config(config: Path | None) -> SandboxConfig:
 
 
 def _family(suite: str, seed: int, task_file: Path | None) -> TaskFamily:
-    from services.envs.families import load_family
+    from services.families import load_family
 
     options: dict[str, dict[str, Any]] = {"synthetic": {"seed": seed}, "repo": {}}
     if suite == "repo":

@@ -171,7 +171,7 @@ class EnvsService(Service):
 
         from services.envs.worker import worker_id
         from services.objectstore import open_store
-        from services.reconciler.client import ReconcilerClient
+        from services.reconciler_client import ReconcilerClient
 
         tokenizer_dir = settings.tokenizer_dir or self.config.inference.engine.model_dir
         worker = RolloutWorker(

@@ -35,7 +35,7 @@ from services.envs.rewards import Behaviour, RewardConfig, reasoning_comment_lin
 from services.envs.tools import Tools
 from services.envs.workspace import Workspaces
 from services.objectstore.base import ObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from services.evals.scoring import score
 from services.evals.suites import Suite
 from services.evals.versions import TaskSamples, retry_key
 from services.objectstore.base import ObjectStore
-from services.reconciler.client import GroupDropped, ReconcilerClient
+from services.reconciler_client import GroupDropped, ReconcilerClient
 from services.weights.manifest import Layout, read_latest
 from services.wire.errors import FailedPrecondition, NotFound, Unavailable
 

@@ -30,7 +30,7 @@ from services.evals.runner import EvalFailed, Evaluator
 from services.evals.suites import Suite, load_suites
 from services.evals.watcher import VersionWatcher
 from services.objectstore import ObjectNotFound, open_store
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.run_config import EtudeConfig
 from services.wire.client import Channels
 from services.wire.errors import (

@@ -24,7 +24,7 @@ from services.inference.updates import WeightFollower
 from services.messages import validate_version_notice
 from services.model_source import fingerprint
 from services.objectstore import open_store
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.run_config import EtudeConfig
 from services.weights.subscriber import WeightSubscriber
 from services.wire.client import Channels

@@ -104,8 +104,8 @@ def sft_records(
     """SFT examples from the first ``num_tasks`` synthetic training tasks of ``seed``;
     the solution of a task prints instead of returning with probability
     ``flawed_fraction`` (drawn from ``seed`` and the task's position)."""
-    from services.envs.families import CANONICAL_KEY
-    from services.envs.families.synthetic import make_task
+    from services.families import CANONICAL_KEY
+    from services.families.synthetic import make_task
 
     if not 0.0 <= flawed_fraction <= 1.0:
         raise ValueError(f"flawed_fraction must be in [0, 1], got {flawed_fraction}")

@@ -36,7 +36,7 @@ import torch
 from services.api.v1 import reconciler_pb2
 from services.model_source import fingerprint
 from services.objectstore.base import ObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.run_config import EtudeConfig
 from services.slot_faults import fault_counts
 from services.trainer import metrics

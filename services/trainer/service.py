@@ -145,7 +145,7 @@ class TrainerService(Service):
     async def _train(self, runtime: TrainerRuntime) -> None:
         """Builds the job (the server answers meanwhile), then runs it."""
         from services.objectstore.factory import open_store
-        from services.reconciler.client import ReconcilerClient
+        from services.reconciler_client import ReconcilerClient
         from services.trainer.job import TrainingJob
 
         rl = self.phase == "rl" and runtime.is_leader
