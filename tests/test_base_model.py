@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from services.config import BaseModelConfig
+from services.config.launcher import BaseModelConfig
 from services.families import CANONICAL_KEY
 from services.families.synthetic import make_task
 from services.families.synthetic.templates import NUM_LEVELS, draw, expected_values

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from services.api.v1 import common_pb2
+from services.config.envs import SandboxConfig
 from services.envs.grading import grade, grade_files
-from services.envs.sandbox import SandboxConfig, make_sandbox
+from services.envs.sandbox import make_sandbox
 from services.envs.workspace import Workspaces
 from services.families import GRADING_DIR, TaskFamily, load_family
 from services.families.humaneval import HumanEvalFamily

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from services.api.v1 import common_pb2, reconciler_pb2
-from services.evals.config import EvalsConfig, SuiteConfig
+from services.config.evals import EvalsConfig, SuiteConfig
 from services.evals.record import EvalRecord
 from services.evals.results import ResultsStore, result_key
 from services.evals.runner import EvalFailed, Evaluator

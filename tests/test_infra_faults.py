@@ -28,6 +28,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.config.envs import SandboxConfig
 from services.envs import sandbox as sandbox_module
 from services.envs.faults import (
     INFRA_PREFIX,
@@ -37,7 +38,7 @@ from services.envs.faults import (
     slot_faults,
 )
 from services.envs.grading import grade_files
-from services.envs.sandbox import START_SIGNAL, SandboxConfig, make_sandbox
+from services.envs.sandbox import START_SIGNAL, make_sandbox
 from services.envs.tools import ToolCall, Tools
 from services.envs.workspace import Workspaces
 from services.families import RUNNER_PATH

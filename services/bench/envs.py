@@ -22,8 +22,9 @@ from pathlib import Path
 
 from services.api.v1 import common_pb2
 from services.bench import BenchResult
+from services.config.envs import SandboxConfig
 from services.envs.grading import grade_files
-from services.envs.sandbox import SandboxConfig, make_sandbox
+from services.envs.sandbox import make_sandbox
 from services.envs.workspace import Workspaces
 from services.families import load_family
 

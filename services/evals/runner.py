@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.config.evals import EvalsConfig
 from services.evals import metrics
-from services.evals.config import EvalsConfig
 from services.evals.record import EvalRecord, eval_id
 from services.evals.results import ResultsStore
 from services.evals.scoring import score

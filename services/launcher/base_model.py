@@ -39,7 +39,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from services.config import BaseModelConfig
+from services.config.launcher import BaseModelConfig
 from services.model_factory.presets import ModelPreset, PresetName
 
 STAGES = ("init", "cpt", "sft")
@@ -145,7 +145,7 @@ def _train_stage(
     """``steps`` next-token steps from ``source_dir``; the result saved at ``out``."""
     import torch
 
-    from services.trainer.config import JobConfig
+    from services.config.trainer import JobConfig
     from services.trainer.learner import Learner
     from services.trainer.model import save_pretrained
     from services.trainer.sft import ExampleStream, open_source, to_microbatch

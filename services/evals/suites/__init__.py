@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from services.api.v1 import common_pb2
-from services.evals.config import SuiteConfig
+from services.config.evals import SuiteConfig
 from services.families import load_family
 
 
