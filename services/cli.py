@@ -13,8 +13,8 @@ from services.evals.cli import evals_app
 
 if TYPE_CHECKING:
     from services.config import ServiceName
+    from services.config.deployment import EtudeConfig
     from services.model_factory.presets import PresetName
-    from services.run_config import EtudeConfig
 
 app = typer.Typer(
     help="Etude: asynchronous RL for MoE coding agents.",
@@ -39,7 +39,7 @@ ConfigOption = Annotated[
 def _load(config: Path | None) -> EtudeConfig:
     from pydantic import ValidationError
 
-    from services.run_config import load_config
+    from services.config.deployment import load_config
 
     try:
         return load_config(config)
@@ -54,13 +54,23 @@ def serve(
     config: ConfigOption = None,
 ) -> None:
     """Run one service in this process (what each container runs)."""
+    from pydantic import ValidationError
+
     from services.config import SERVICE_NAMES
+    from services.config.deployment import PROCESS_CONFIGS
+    from services.config.loading import load_service_config
     from services.process import run_service
 
     if service not in SERVICE_NAMES:
         typer.echo(f"unknown service {service!r}; known: {', '.join(SERVICE_NAMES)}", err=True)
         raise typer.Exit(2)
-    raise typer.Exit(run_service(cast("ServiceName", service), _load(config)))
+    name = cast("ServiceName", service)
+    try:
+        settings = load_service_config(PROCESS_CONFIGS[name], config)
+    except (ValidationError, ValueError, FileNotFoundError) as error:
+        typer.echo(f"invalid config: {error}", err=True)
+        raise typer.Exit(2) from error
+    raise typer.Exit(run_service(name, settings))
 
 
 @app.command()
@@ -167,7 +177,7 @@ def tasks_export(
     count: Annotated[int, typer.Option(min=1, help="How many tasks (positions 0..count-1).")],
     generator: Annotated[
         str, typer.Option(help="'module:function', (position, seed) -> Task | None.")
-    ] = "services.envs.families.synthetic:task_at",
+    ] = "services.families.synthetic:task_at",
     seed: Annotated[int, typer.Option(min=0, help="Seed passed to the generator.")] = 0,
     out: Annotated[Path | None, typer.Option(help="Write the JSON lines to this file.")] = None,
     key: Annotated[
@@ -181,7 +191,7 @@ def tasks_export(
     from google.protobuf import json_format
     from pydantic import ValidationError
 
-    from services.reconciler.config import FeederConfig
+    from services.config.reconciler import FeederConfig
     from services.reconciler.feeders import build_feeder
 
     if (out is None) == (key is None):

@@ -1,7 +1,8 @@
 """Start-up of a service process: arguments and config first, heavy imports after.
 
 ``python -m services.<svc> --config FILE`` and ``etude serve <svc> --config FILE``
-both land here. The config is parsed and validated, logging is set up, the
+both land here. The process's own config (the shared sections and its service's
+section, ``services.config.<svc>``) is parsed and validated, logging is set up, the
 resolved config is logged as JSON, and only then is the service module (which
 may import torch or vLLM) imported and run.
 """
@@ -16,8 +17,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from services.config import SERVICE_NAMES, ServiceName
-from services.run_config import EtudeConfig, load_config
+from services.config import SERVICE_NAMES, ServiceName, SharedConfig
+from services.config.loading import load_service_config
 
 log = logging.getLogger("etude")
 
@@ -39,7 +40,7 @@ def parse_args(service: ServiceName, argv: list[str] | None) -> argparse.Namespa
     return parser.parse_args(argv)
 
 
-def run_service(service: ServiceName, config: EtudeConfig) -> int:
+def run_service(service: ServiceName, config: SharedConfig) -> int:
     """Imports the service's module and runs it until it stops; returns the exit code."""
     if service not in SERVICE_NAMES:
         raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICE_NAMES)}")
@@ -64,7 +65,7 @@ MODEL_READERS: tuple[ServiceName, ...] = ("envs", "inference", "trainer")
 """The services that read the base model (``model.dir``)."""
 
 
-def bring_model(config: EtudeConfig) -> None:
+def bring_model(config: SharedConfig) -> None:
     """Syncs the model from ``model.store_prefix`` into ``model.dir`` when one is set."""
     prefix, model_dir = config.model.store_prefix, config.model.dir
     if prefix is None or model_dir is None:
@@ -78,11 +79,11 @@ def bring_model(config: EtudeConfig) -> None:
         log.info("model at %s is the one under %s", model_dir, prefix)
 
 
-def main(service: ServiceName, argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m services.<service>``."""
+def main(service: ServiceName, model: type[SharedConfig], argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m services.<service>``; `model` is the process's config."""
     args = parse_args(service, argv)
     try:
-        config = load_config(args.config)
+        config = load_service_config(model, args.config)
     except (ValidationError, ValueError, FileNotFoundError) as error:
         print(f"invalid config: {error}", file=sys.stderr)
         return 2

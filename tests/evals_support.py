@@ -28,16 +28,15 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.envs.config import HarnessConfig
-from services.envs.families import file_of, load_family
+from services.config.envs import HarnessConfig, RewardConfig, SandboxConfig
 from services.envs.grading import grade
-from services.envs.rewards import RewardConfig
-from services.envs.sandbox import SandboxConfig, make_sandbox
+from services.envs.sandbox import make_sandbox
 from services.envs.worker import RolloutWorker
 from services.envs.workspace import Workspaces
+from services.families import file_of, load_family
 from services.model_factory.vocabulary import special_token_ids
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.wire.client import make_channel
 from services.wire.ports import free_port
 from tests.conftest import TOKEN

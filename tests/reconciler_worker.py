@@ -19,7 +19,7 @@ import grpc
 from grpc import aio
 
 from services.api.v1 import common_pb2, reconciler_pb2
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.wire.client import make_channel
 
 

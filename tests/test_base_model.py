@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from services.config import BaseModelConfig
-from services.envs.families import CANONICAL_KEY
-from services.envs.families.synthetic import make_task
-from services.envs.families.synthetic.templates import NUM_LEVELS, draw, expected_values
+from services.config.launcher import BaseModelConfig
+from services.families import CANONICAL_KEY
+from services.families.synthetic import make_task
+from services.families.synthetic.templates import NUM_LEVELS, draw, expected_values
 from services.launcher import base_model
 from services.launcher.base_model import printing_instead_of_returning, sft_records
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from services.bench.e2e import CONFIG, _mode_config
 from services.config import SERVICE_NAMES
+from services.config.deployment import load_config
+from services.config.loading import dumps_toml
 from services.evals.suites import suite_classes
-from services.run_config import dumps_toml, load_config
 
 
 def test_both_modes_get_the_same_work_with_evals_off_and_their_own_ports(tmp_path: Path) -> None:

@@ -95,7 +95,7 @@ def test_validators_reject_unknown_fields_and_wrong_types() -> None:
 
 
 def test_rendered_config_is_what_the_services_load(tmp_path: Path) -> None:
-    from services.run_config import load_config
+    from services.config.deployment import load_config
 
     manifests = render(chart_check.FEATURE_CASES["tls"])
     text = chart_check.find(manifests, "ConfigMap", "etude-config")["data"]["config.toml"]
@@ -116,7 +116,7 @@ def test_rendered_config_is_what_the_services_load(tmp_path: Path) -> None:
 
 
 def rendered_config(manifests: list[dict[str, Any]], tmp_path: Path) -> Any:
-    from services.run_config import load_config
+    from services.config.deployment import load_config
 
     text = chart_check.find(manifests, "ConfigMap", "etude-config")["data"]["config.toml"]
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -256,7 +256,7 @@ def test_balanced_services_are_reached_through_a_headless_service(component: str
 
 
 def test_inference_drains_generations_within_the_pods_grace(tmp_path: Path) -> None:
-    from services.run_config import load_config
+    from services.config.deployment import load_config
 
     manifests = render({})
     path = tmp_path / "config.toml"

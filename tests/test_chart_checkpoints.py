@@ -11,7 +11,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import chart_check  # noqa: E402
 
-from services.run_config import load_config  # noqa: E402
+from services.config.deployment import load_config  # noqa: E402
 from services.trainer.paths import checkpoint_root, checkpoints_in_store  # noqa: E402
 
 chart_check.require_tools()  # a missing tool fails the module loudly, never skips

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,19 +67,35 @@ def test_unknown_service_and_preset_are_refused() -> None:
     assert done.returncode == 2 and "unknown preset 'huge'" in done.stderr
 
 
-def test_invalid_config_is_refused_with_the_field(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.toml"
-    bad.write_text("[inference.engine]\nmax_model_len = -1\n")
-    done = _run("config", "show", "--config", str(bad))
-    assert done.returncode == 2 and "max_model_len" in done.stderr
-    done = subprocess.run(
-        [sys.executable, "-m", "services.trainer", "--config", str(bad)],
+def _service(service: str, *args: str, env: dict[str, str] | None = None) -> Any:
+    return subprocess.run(
+        [sys.executable, "-m", f"services.{service}", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, **(env or {})},
     )
+
+
+def test_invalid_config_is_refused_by_the_processes_that_read_it(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[inference.engine]\nmax_model_len = -1\n")
+    done = _run("config", "show", "--config", str(bad))
     assert done.returncode == 2 and "max_model_len" in done.stderr
+    done = _service("inference", "--config", str(bad))
+    assert done.returncode == 2 and "max_model_len" in done.stderr
+    # The trainer reads the shared sections and [trainer]: [inference] is not its to judge.
+    done = _service(
+        "trainer",
+        "--config",
+        str(bad),
+        "--print-config",
+        env={"ETUDE_TRAINER__GRPC__PORT": "50999", "ETUDE_INFERENCE__NOSUCH": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    assert printed["trainer"]["grpc"]["port"] == 50999 and "inference" not in printed
 
 
 def test_model_init_command(tmp_path: Path) -> None:
@@ -115,9 +133,9 @@ def test_a_wrong_bench_setting_is_named_not_a_traceback(monkeypatch: pytest.Monk
 def test_tasks_export_writes_what_the_jsonl_feeder_reads(tmp_path: Path) -> None:
     """To a file and to an object-store key; the feeder reads back the generator's tasks."""
     from services.config import ObjectStoreConfig
-    from services.envs.families.synthetic import task_at
+    from services.config.reconciler import FeederConfig
+    from services.families.synthetic import task_at
     from services.objectstore import open_store
-    from services.reconciler.config import FeederConfig
     from services.reconciler.feeders import build_feeder
 
     config = tmp_path / "config.toml"

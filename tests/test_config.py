@@ -7,7 +7,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from services.run_config import apply_env_overrides, load_config
+from services.config import SERVICE_NAMES, ServiceName
+from services.config.deployment import PROCESS_CONFIGS, EtudeConfig, load_config
+from services.config.inference import InferenceProcessConfig
+from services.config.loading import apply_env_overrides, load_service_config
+from services.config.reconciler import ReconcilerProcessConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml"))
 
@@ -92,3 +96,39 @@ def test_tls_needs_both_files(tmp_path: Path) -> None:
 def test_missing_file_is_reported(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"nope\.toml"):
         load_config(tmp_path / "nope.toml", environ={})
+
+
+@pytest.mark.parametrize("service", SERVICE_NAMES)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads_in_every_process(path: Path, service: ServiceName) -> None:
+    whole = load_config(path, environ={})
+    config = load_service_config(PROCESS_CONFIGS[service], path, environ={})
+    assert set(type(config).model_fields) <= set(EtudeConfig.model_fields)
+    assert getattr(config, service) == getattr(whole, service)
+    assert config.model == whole.model and config.endpoints == whole.endpoints
+    assert {"launcher", *SERVICE_NAMES} & set(type(config).model_fields) == {service}
+
+
+def test_a_process_leaves_other_services_sections_to_them(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("[evals]\nevery_n_versions = 0\n\n[launcher]\nnosuch = 1\n")
+    config = load_service_config(
+        ReconcilerProcessConfig, path, environ={"ETUDE_RECONCILER__MAX_STALENESS": "5"}
+    )
+    assert config.reconciler.max_staleness == 5
+    with pytest.raises(ValidationError, match="every_n_versions"):
+        load_config(path, environ={})
+    path.write_text("[reconciler]\nmax_staleness = 1\n\n[nosuch]\nfield = 1\n")
+    with pytest.raises(ValidationError, match="nosuch"):
+        load_service_config(ReconcilerProcessConfig, path, environ={})
+
+
+def test_the_inference_process_keeps_the_one_model_rule(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\ndir = "/m"\n')
+    config = load_service_config(InferenceProcessConfig, path, environ={})
+    assert config.inference.engine.model_dir == Path("/m")
+    # Without model.dir the trainer and envs would read the default: a second model.
+    path.write_text('[inference.engine]\nmodel_dir = "/elsewhere"\n')
+    with pytest.raises(ValidationError, match=r"model\.dir .* name two models"):
+        load_service_config(InferenceProcessConfig, path, environ={})

@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from services.config.trainer import JobConfig
 from services.trainer.batch import RLBatch, TrainItem, pack_microbatch
-from services.trainer.config import JobConfig
 from services.trainer.distributed.batching import assign, local_microbatches
 from services.trainer.distributed.layout import ParallelLayout
 from services.trainer.distributed.packing import CostModel

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from services.run_config import EtudeConfig
-from services.trainer.config import JobConfig
+from services.config.deployment import EtudeConfig
+from services.config.trainer import JobConfig
 from services.trainer.distributed.layout import ParallelLayout, check_job
 from services.trainer.model import Architecture
 from services.trainer.service import run as run_trainer

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services import dtypes
-from services.inference.config import EngineConfig
+from services.config.inference import EngineConfig
 from services.inference.engine import Engine
 
 

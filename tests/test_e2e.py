@@ -53,7 +53,7 @@ def e2e_config(path: Path, state: Path, run_name: str) -> None:
             "reconciler": ["max_staleness = 2", 'stale_policy = "requeue"', "lease_ttl_s = 5"],
             "reconciler.feeder": [
                 'kind = "generator"',
-                'generator = "services.envs.families.synthetic:task_at"',
+                'generator = "services.families.synthetic:task_at"',
                 # Ahead of the trainer: later batches are generated while the trainer
                 # trains and publishes, so versions change under rollouts in flight (with
                 # one step's worth in flight, the tiny model often finished a batch before

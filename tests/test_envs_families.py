@@ -18,19 +18,20 @@ from pathlib import Path
 import pytest
 
 from services.api.v1 import common_pb2
-from services.envs.families import GRADING_DIR, TaskFamily, load_family
-from services.envs.families.humaneval import HumanEvalFamily
-from services.envs.families.repo import RepoFamily
-from services.envs.families.synthetic import (
+from services.config.envs import SandboxConfig
+from services.envs.grading import grade, grade_files
+from services.envs.sandbox import make_sandbox
+from services.envs.workspace import Workspaces
+from services.families import GRADING_DIR, TaskFamily, load_family
+from services.families.humaneval import HumanEvalFamily
+from services.families.repo import RepoFamily
+from services.families.synthetic import (
     SyntheticFamily,
     is_novel,
     is_training_name,
     make_task,
     task_at,
 )
-from services.envs.grading import grade, grade_files
-from services.envs.sandbox import SandboxConfig, make_sandbox
-from services.envs.workspace import Workspaces
 from services.messages import validate_task
 
 

@@ -15,17 +15,16 @@ import pytest
 
 from services import routed_experts
 from services.api.v1 import common_pb2, reconciler_pb2
-from services.envs.config import HarnessConfig
+from services.config.envs import HarnessConfig, RewardConfig, SandboxConfig
 from services.envs.grading import grade
 from services.envs.harness import Harness
 from services.envs.inference_client import InferenceGenerator
-from services.envs.rewards import RewardConfig
-from services.envs.sandbox import SandboxConfig, make_sandbox
+from services.envs.sandbox import make_sandbox
 from services.envs.tools import Tools
 from services.envs.worker import RolloutWorker
 from services.envs.workspace import Workspaces
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.wire.client import make_channel
 from tests.conftest import TOKEN, Deployment
 from tests.reconciler_support import reconciler

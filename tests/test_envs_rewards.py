@@ -8,11 +8,9 @@ import math
 import pytest
 
 from services.api.v1 import common_pb2
+from services.config.envs import BehaviourConfig, LengthPenaltyConfig, RewardConfig
 from services.envs.rewards import (
     Behaviour,
-    BehaviourConfig,
-    LengthPenaltyConfig,
-    RewardConfig,
     concave_cost,
     effort,
     reasoning_comment_lines,

@@ -22,10 +22,10 @@ import pytest
 
 from services.api.v1 import common_pb2
 from services.config import MIB
+from services.config.envs import SandboxConfig
 from services.envs.sandbox import (
     BubblewrapSandbox,
     Sandbox,
-    SandboxConfig,
     SandboxUnavailable,
     make_sandbox,
 )

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from services.api.v1 import common_pb2, envs_pb2, envs_pb2_grpc
-from services.envs.families import load_family
+from services.families import load_family
 from tests.conftest import TOKEN, Deployment
 
 pytestmark = pytest.mark.integration

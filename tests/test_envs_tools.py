@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from services.api.v1 import common_pb2
-from services.envs.sandbox import SandboxConfig, make_sandbox
+from services.config.envs import SandboxConfig
+from services.envs.sandbox import make_sandbox
 from services.envs.tools import ToolCall, Tools
 from services.envs.workspace import Workspaces
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from services.api.v1 import common_pb2, reconciler_pb2
-from services.evals.config import EvalsConfig, SuiteConfig
+from services.config.evals import EvalsConfig, SuiteConfig
 from services.evals.scoring import TESTS_FAILED, pass_at_k, score
 from services.evals.suites import load_suites
 

@@ -28,7 +28,7 @@ from services.api.v1 import common_pb2, evals_pb2, evals_pb2_grpc
 from services.evals.results import discover
 from services.evals.suites import load_suites
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.wire.client import make_channel
 from tests.conftest import REPO, TOKEN, service_env, stop_process, wait_ready, write_config
 from tests.evals_support import Plan, ScriptedStack, count_correct

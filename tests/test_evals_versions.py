@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from services.api.v1 import common_pb2, reconciler_pb2
-from services.evals.config import EvalsConfig, SuiteConfig
+from services.config.evals import EvalsConfig, SuiteConfig
 from services.evals.record import EvalRecord
 from services.evals.results import ResultsStore, result_key
 from services.evals.runner import EvalFailed, Evaluator
@@ -26,7 +26,7 @@ from services.evals.scoring import score
 from services.evals.suites import Suite, load_suites
 from services.evals.versions import DROPPED, TaskSamples, retryable, sampled_by_only
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.weights.manifest import Layout
 from services.wire.client import make_channel
 from tests.conftest import TOKEN

@@ -48,7 +48,7 @@ from services.api.v1 import (
     reconciler_pb2,
     trainer_pb2,
 )
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.wire.client import make_channel
 from services.wire.ports import free_ports
 from tests.conftest import REPO, TOKEN, Deployment, service_env, stop_process, wait_ready

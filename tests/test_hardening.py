@@ -24,10 +24,10 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api.v1 import common_pb2, envs_pb2, envs_pb2_grpc, reconciler_pb2
+from services.config.deployment import load_config
 from services.envs.service import EnvsService
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
-from services.run_config import load_config
+from services.reconciler_client import ReconcilerClient
 from services.trainer.rollouts import RolloutError, fetch_record
 from services.wire.client import make_channel
 from services.wire.errors import InvalidArgument, require_identifier

@@ -370,7 +370,7 @@ def test_multi_turn_routes_are_those_of_sampling_time(replica: Replica, tiny_mod
     exactly that table."""
     from transformers import AutoTokenizer
 
-    from services.envs.config import HarnessConfig
+    from services.config.envs import HarnessConfig
     from services.envs.harness import Generation, Harness
     from services.envs.inference_client import InferenceGenerator
     from services.trainer.model import Architecture
@@ -558,7 +558,7 @@ def test_in_flight_update_serves_the_new_weights_on_the_small_preset(
     from safetensors.torch import save_file
     from vllm import SamplingParams
 
-    from services.inference.config import EngineConfig
+    from services.config.inference import EngineConfig
     from services.inference.engine import Engine
     from services.model_factory.build import init_model
 

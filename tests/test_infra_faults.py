@@ -28,9 +28,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.config.envs import SandboxConfig
 from services.envs import sandbox as sandbox_module
-from services.envs.families import RUNNER_PATH
-from services.envs.families.synthetic import make_task
 from services.envs.faults import (
     INFRA_PREFIX,
     InfraFault,
@@ -39,10 +38,12 @@ from services.envs.faults import (
     slot_faults,
 )
 from services.envs.grading import grade_files
-from services.envs.sandbox import START_SIGNAL, SandboxConfig, make_sandbox
+from services.envs.sandbox import START_SIGNAL, make_sandbox
 from services.envs.tools import ToolCall, Tools
 from services.envs.workspace import Workspaces
-from services.reconciler.client import ReconcilerClient
+from services.families import RUNNER_PATH
+from services.families.synthetic import make_task
+from services.reconciler_client import ReconcilerClient
 from services.wire.client import make_channel
 from tests.conftest import TOKEN
 from tests.evals_support import ScriptedStack

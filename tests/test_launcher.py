@@ -81,7 +81,8 @@ def test_private_redis_keeps_an_append_only_file(tmp_path: Path) -> None:
 def test_written_toml_reads_back_as_the_same_config(tmp_path: Path) -> None:
     import tomllib
 
-    from services.run_config import dumps_toml, load_config
+    from services.config.deployment import load_config
+    from services.config.loading import dumps_toml
 
     data = tomllib.loads((REPO / "configs" / "local.toml").read_text())
     data["evals"]["suites"]["humaneval"]["enabled"] = False
@@ -195,8 +196,8 @@ def test_a_pinned_service_and_its_children_run_on_their_cpus(tmp_path: Path) -> 
 def test_cpu_affinity_naming_a_missing_cpu_fails_before_anything_starts(tmp_path: Path) -> None:
     from rich.console import Console
 
+    from services.config.deployment import load_config
     from services.launcher.run import LocalRun, RunFailed, RunOptions
-    from services.run_config import load_config
 
     config = tmp_path / "config.toml"
     missing = max(os.sched_getaffinity(0)) + 1
@@ -214,7 +215,7 @@ def test_cpu_affinity_naming_a_missing_cpu_fails_before_anything_starts(tmp_path
 def test_cpu_affinity_needs_a_cpu_per_listed_service() -> None:
     from pydantic import ValidationError
 
-    from services.config import LauncherConfig
+    from services.config.launcher import LauncherConfig
 
     with pytest.raises(ValidationError, match=r"cpu_affinity\.inference\n.*at least 1 item"):
         LauncherConfig.model_validate({"cpu_affinity": {"inference": []}})
@@ -226,9 +227,9 @@ def test_a_run_redis_remembers_without_its_checkpoints_is_refused(tmp_path: Path
     import redis
     from rich.console import Console
 
+    from services.config.deployment import load_config
     from services.launcher.run import LocalRun, RunFailed, RunOptions
     from services.reconciler.store import run_prefix
-    from services.run_config import load_config
     from services.trainer.paths import META_FILE
 
     name = f"resume-{secrets.token_hex(4)}"
@@ -267,8 +268,8 @@ def test_rebuild_model_needs_fresh_and_deletes_only_a_model_etude_run_built(
 ) -> None:
     from rich.console import Console
 
+    from services.config.deployment import load_config
     from services.launcher.run import LocalRun, RunFailed, RunOptions
-    from services.run_config import load_config
 
     config = tmp_path / "config.toml"
     model_dir = tmp_path / "models" / "small"

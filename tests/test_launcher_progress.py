@@ -8,9 +8,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from services.config.deployment import load_config
 from services.launcher.observe import step_lines
 from services.launcher.run import LocalRun, _training_view
-from services.run_config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 

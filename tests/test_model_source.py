@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.config import ObjectStoreConfig
+from services.config.deployment import EtudeConfig
 from services.model_source import (
     FILE_LIST,
     ModelSourceError,
@@ -22,7 +23,6 @@ from services.model_source import (
 )
 from services.objectstore import ObjectStore, open_store
 from services.process import bring_model
-from services.run_config import EtudeConfig
 
 PREFIX = "models/tiny"
 

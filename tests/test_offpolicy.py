@@ -16,9 +16,9 @@ import torch
 from prometheus_client import REGISTRY
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.config.trainer import JobConfig
 from services.objectstore.local import FileObjectStore
 from services.trainer.batch import RLBatch, TrainItem, pack_microbatch
-from services.trainer.config import JobConfig
 from services.trainer.distributed.batching import pad_item
 from services.trainer.distributed.context_parallel import shard_microbatch
 from services.trainer.job import TrainingJob

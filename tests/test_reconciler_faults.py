@@ -23,7 +23,7 @@ from grpc import aio
 
 from services.launcher.processes import ManagedProcess
 from services.launcher.redis_server import redis_answers, start_private_redis
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.wire.client import make_channel
 from tests.conftest import REPO, TOKEN
 from tests.reconciler_support import ReconcilerProcess, reconciler
@@ -286,7 +286,7 @@ def restart_redis(old: ManagedProcess, port: int) -> ManagedProcess:
 
 TRAINER = """
 import asyncio, json, sys
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.wire.client import make_channel
 
 async def main(target, token, step, commit):

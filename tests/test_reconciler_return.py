@@ -13,7 +13,7 @@ import pytest
 from grpc import aio
 
 from services.api.v1 import common_pb2, reconciler_pb2
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.wire.client import make_channel
 from tests.conftest import TOKEN
 from tests.reconciler_support import reconciler

@@ -18,7 +18,7 @@ from grpc import aio
 from services.api.v1 import common_pb2, reconciler_pb2
 from services.config import ObjectStoreConfig
 from services.objectstore import open_store
-from services.reconciler.client import GroupDropped, GroupFuture, ReconcilerClient
+from services.reconciler_client import GroupDropped, GroupFuture, ReconcilerClient
 from services.wire.client import make_channel
 from tests.conftest import TOKEN
 from tests.reconciler_support import ReconcilerProcess, reconciler

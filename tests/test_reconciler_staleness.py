@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.api.v1 import common_pb2
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.trainer.job import version_provenance
 from services.wire.client import make_channel
 from tests.conftest import TOKEN

@@ -13,8 +13,8 @@ from google.protobuf import json_format
 
 from services.api.v1 import common_pb2, reconciler_pb2
 from services.config import ObjectStoreConfig
+from services.config.reconciler import ReconcilerConfig
 from services.objectstore import open_store
-from services.reconciler.config import ReconcilerConfig
 from services.reconciler.store import SlotStore
 from services.wire.errors import FailedPrecondition, NotFound
 
@@ -398,7 +398,7 @@ def numbered_task(position: int, seed: int) -> common_pb2.Task | None:
 
 
 async def test_feeders_top_up_once_per_task(tmp_path: Any) -> None:
-    from services.reconciler.config import FeederConfig
+    from services.config.reconciler import FeederConfig
     from services.reconciler.feeders import build_feeder, top_up
 
     store, _ = await make_store()

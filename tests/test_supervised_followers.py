@@ -25,10 +25,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api.v1 import common_pb2, inference_pb2_grpc
 from services.config import WeightsConfig
+from services.config.deployment import load_config
 from services.inference.service import InferenceService
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
-from services.run_config import load_config
+from services.reconciler_client import ReconcilerClient
 from services.weights.manifest import Layout
 from services.weights.publisher import WeightPublisher
 from services.wire.client import Channels, make_channel

@@ -25,7 +25,7 @@ import torch
 from services.api.v1 import common_pb2
 from services.config import WeightsConfig
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.trainer.publishing import PolicyPublisher
 from services.trainer.runtime import LocalRuntime
 from services.weights.manifest import Layout, read_latest

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.config.trainer import JobConfig
 from services.trainer.checkpoint import CheckpointStore
-from services.trainer.config import JobConfig
 from services.trainer.learner import Learner
 from services.trainer.optim import muon_parameter
 from services.trainer.sft import Example, to_microbatch

@@ -15,12 +15,12 @@ from pydantic import ValidationError
 from torch.distributed.checkpoint import CheckpointException
 
 from services.config import ObjectStoreConfig
+from services.config.deployment import EtudeConfig
+from services.config.trainer import CheckpointConfig, JobConfig
 from services.objectstore.base import ObjectStore
 from services.objectstore.local import FileObjectStore
 from services.objectstore.s3 import S3ObjectStore
-from services.run_config import EtudeConfig
 from services.trainer.checkpoint_objects import CheckpointError, ObjectStoreCheckpoints
-from services.trainer.config import CheckpointConfig, JobConfig
 from services.trainer.job import TrainingJob
 from services.trainer.learner import Learner
 from services.trainer.paths import checkpoint_dirs, checkpoint_root, checkpoints_in_store
@@ -200,9 +200,9 @@ def test_the_launcher_resumes_from_and_forgets_checkpoints_in_the_store(tmp_path
     import redis
     from rich.console import Console
 
+    from services.config.deployment import load_config
     from services.launcher.run import LocalRun, RunFailed, RunOptions
     from services.reconciler.store import run_prefix
-    from services.run_config import load_config
     from tests.conftest import write_config
 
     name = f"stored-{secrets.token_hex(4)}"

@@ -158,7 +158,7 @@ def test_mtp_heads_learn_by_self_distillation_and_leave_the_policy_alone(
 
 def test_the_model_trains_with_the_reports_precision_recipe(tiny_model: Path) -> None:
     """NVFP4-variant forward / MXFP8 backward expert GEMMs inside the full model."""
-    from services.trainer.config import JobConfig
+    from services.config.trainer import JobConfig
     from services.trainer.learner import Learner
     from services.trainer.sft import Example, to_microbatch
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from services.trainer.config import ModelSettings
+from services.config.trainer import ModelSettings
 from services.trainer.model import PackedInputs, load_pretrained, token_logprobs
 from services.trainer.model.architecture import Architecture
 from services.trainer.model.layers import RMSNorm, apply_rope, rope_tables

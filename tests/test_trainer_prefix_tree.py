@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.config.trainer import JobConfig
 from services.trainer.batch import RLBatch, TrainItem, pack_microbatch
-from services.trainer.config import JobConfig
 from services.trainer.distributed.context_parallel import shard_inputs
 from services.trainer.learner import Learner
 from services.trainer.model import PackedInputs, load_pretrained, token_logprobs

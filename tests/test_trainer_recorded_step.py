@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.config.deployment import EtudeConfig
+from services.config.trainer import JobConfig
 from services.objectstore.local import FileObjectStore
-from services.run_config import EtudeConfig
 from services.trainer.batch import RLBatch, TrainItem, pack_microbatch
-from services.trainer.config import JobConfig
 from services.trainer.job import TrainingJob
 from services.trainer.learner import Learner
 from services.trainer.model import Qwen3MoE, load_pretrained

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from services.api.v1 import common_pb2, reconciler_pb2, trainer_pb2, trainer_pb2_grpc
+from services.config.trainer import JobConfig
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.trainer.checkpoint import CheckpointStore
-from services.trainer.config import JobConfig
 from services.trainer.learner import Learner
 from services.trainer.model import load_pretrained
 from services.wire.client import make_channel

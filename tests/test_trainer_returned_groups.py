@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from services.api.v1 import reconciler_pb2
+from services.config.deployment import EtudeConfig
 from services.objectstore.base import ObjectStoreError
 from services.objectstore.local import FileObjectStore
-from services.reconciler.client import ReconcilerClient
-from services.run_config import EtudeConfig
+from services.reconciler_client import ReconcilerClient
 from services.trainer.job import TrainingJob
 from services.trainer.model import load_pretrained
 from services.trainer.runtime import LocalRuntime

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.api.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from services.run_config import EtudeConfig
+from services.config.deployment import EtudeConfig
 from tests.conftest import TOKEN, stop_process
 from tests.trainer_support import start_trainer, write_trainer_config
 

@@ -53,7 +53,7 @@ def test_an_idle_trainer_lists_checkpoints_without_torch(tmp_path: Path) -> None
     first answer must not wait seconds for torch to import (the fuzz suite's deadline)."""
     code = (
         "import sys\n"
-        "from services.run_config import EtudeConfig\n"
+        "from services.config.deployment import EtudeConfig\n"
         "from services.objectstore.factory import open_store\n"
         "from services.trainer.checkpoint_index import list_checkpoints\n"
         "import services.trainer.service\n"

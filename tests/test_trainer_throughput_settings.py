@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.trainer.config import JobConfig
+from services.config.trainer import JobConfig
 from services.trainer.learner import Learner
 from tests.test_trainer_recorded_step import assert_reproduces, learner_rl, learner_sft
 from tests.trainer_support import one_thread  # noqa: F401  (autouse: one torch thread)

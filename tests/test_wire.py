@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import REGISTRY
 
 from services.api.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from services.run_config import load_config
+from services.config.deployment import load_config
 from services.trainer.service import TrainerService
 from services.wire import ports as ports_module
 from services.wire.client import make_channel

@@ -21,7 +21,7 @@ from services.api.v1 import (
     reconciler_pb2_grpc,
 )
 from services.envs.inference_client import InferenceGenerator
-from services.reconciler.client import GroupFuture, ReconcilerClient
+from services.reconciler_client import GroupFuture, ReconcilerClient
 from services.wire.client import make_channel
 from services.wire.retry import RetryPolicy, resume_stream, retrying
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from services.api.v1 import common_pb2
 from services.objectstore.base import ObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.trainer.model import PackedInputs, Qwen3MoE
 from services.wire.ports import free_ports
 from tests.conftest import REPO, TOKEN, service_env

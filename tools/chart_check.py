@@ -249,7 +249,7 @@ def config_problems(manifests: list[dict[str, Any]], release: str = RELEASE) -> 
     from pydantic import ValidationError
 
     sys.path.insert(0, str(REPO))
-    from services.run_config import load_config
+    from services.config.deployment import load_config
 
     configmaps = [
         m for m in manifests if m["kind"] == "ConfigMap" and "config.toml" in m.get("data", {})

@@ -3,7 +3,7 @@
 Types and constraints are declared here; descriptions come from the ``# --`` comments
 above each key in values.yaml, so the schema and values.yaml cannot say different
 things. The ``config`` key's schema is the services' own config model
-(``services.run_config.EtudeConfig``) less the keys the chart sets itself. Every object
+(``services.config.deployment.EtudeConfig``) less the keys the chart sets itself. Every object
 is closed (``additionalProperties: false``): an unknown key fails ``helm install`` with
 the key named.
 
@@ -406,7 +406,7 @@ def _describe(schema: Schema, comments: dict[tuple[str, ...], str], path: tuple[
 def config_defs() -> dict[str, Schema]:
     """$defs for the `config` key: EtudeConfig's JSON schema less the chart-managed keys."""
     sys.path.insert(0, str(REPO))
-    from services.run_config import EtudeConfig
+    from services.config.deployment import EtudeConfig
 
     schema = EtudeConfig.model_json_schema()
     defs: dict[str, Schema] = schema.pop("$defs")
@@ -434,7 +434,7 @@ def config_defs() -> dict[str, Schema]:
     del defs["LauncherConfig"]
     strip_titles(defs)
     defs["EtudeConfig"]["description"] = (
-        "The Etude run config (services/run_config.py), less the keys the chart sets."
+        "The Etude run config (services/config/deployment.py), less the keys the chart sets."
     )
     return dict(sorted(defs.items()))
 

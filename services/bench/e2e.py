@@ -40,8 +40,8 @@ from typing import Any
 
 from services.bench import BenchResult
 from services.config import SERVICE_NAMES
+from services.config.loading import dumps_toml
 from services.evals.suites import suite_classes
-from services.run_config import dumps_toml
 from services.wire.ports import service_ports
 
 TARGET_SPEEDUP = 1.5
@@ -71,9 +71,8 @@ def _mode_config(base: dict[str, Any], state: Path, run: str, steps: int) -> dic
 
 def _quick(data: dict[str, Any], model_dir: Path) -> None:
     """The tiny model and short rollouts: minutes, not tens of minutes."""
-    data["inference"]["engine"].update(
-        {"model_dir": str(model_dir), "max_model_len": 512, "cpu_kv_cache_gib": 0.25}
-    )
+    data["model"]["dir"] = str(model_dir)
+    data["inference"]["engine"].update({"max_model_len": 512, "cpu_kv_cache_gib": 0.25})
     data["launcher"]["model_preset"] = "tiny"
     data["launcher"]["base_model"] = {
         "cpt_steps": 2,
@@ -140,18 +139,14 @@ def run(quick: bool) -> BenchResult:
     generation_s = training_s = ideal = 0.0
     with tempfile.TemporaryDirectory(prefix="etude-bench-e2e-") as tmp:
         root = Path(tmp)
-        model_dir = (
-            root / "models" / "tiny"
-            if quick
-            else (REPO / base["inference"]["engine"]["model_dir"]).resolve()
-        )
+        model_dir = root / "models" / "tiny" if quick else (REPO / base["model"]["dir"]).resolve()
         for mode in ("async", "sync"):
             state = root / mode
             data = _mode_config(base, state, f"bench-e2e-{mode}", steps)
             if quick:
                 _quick(data, model_dir)
             else:
-                data["inference"]["engine"]["model_dir"] = str(model_dir)
+                data["model"]["dir"] = str(model_dir)
             config = root / f"{mode}.toml"
             config.write_text(dumps_toml(data))
             summaries[mode] = _run_mode(config, sync=mode == "sync")

@@ -22,10 +22,11 @@ from pathlib import Path
 
 from services.api.v1 import common_pb2
 from services.bench import BenchResult
-from services.envs.families import load_family
+from services.config.envs import SandboxConfig
 from services.envs.grading import grade_files
-from services.envs.sandbox import SandboxConfig, make_sandbox
+from services.envs.sandbox import make_sandbox
 from services.envs.workspace import Workspaces
+from services.families import load_family
 
 TARGET_FORK_MS = 50.0
 NUM_DIRECTORIES = 20

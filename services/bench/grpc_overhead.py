@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from services.api.v1 import common_pb2, trainer_pb2_grpc
 from services.bench import BenchResult
-from services.run_config import load_config
+from services.config.deployment import load_config
 from services.trainer.service import TrainerService, TrainerServicer
 from services.wire.client import make_channel
 from services.wire.ports import free_ports

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench import BenchResult
-from services.inference.config import EngineConfig
+from services.config.inference import EngineConfig
 from services.inference.engine import Engine
 
 TARGET_CAPTURE_COST = 1.05

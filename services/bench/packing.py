@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from services.bench import BenchResult
+from services.config.trainer import PackingConfig
 from services.model_factory.presets import PRESETS
-from services.trainer.config import PackingConfig
 from services.trainer.distributed.calibration import fit, measure
 from services.trainer.distributed.packing import (
     CostModel,

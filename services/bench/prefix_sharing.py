@@ -44,8 +44,8 @@ NUM_GROUPS, GROUP_SIZE = 8, 4
 
 def _transcripts(tokenizer: object, num_tasks: int) -> list[tuple[list[int], list[bool]]]:
     """Token ids of whole task transcripts and which tokens the assistant generated."""
-    from services.envs.families import CANONICAL_KEY
-    from services.envs.families.synthetic import make_task
+    from services.families import CANONICAL_KEY
+    from services.families.synthetic import make_task
     from services.launcher.base_model import transcript_examples
 
     transcripts = []
@@ -89,8 +89,8 @@ def small_learner(scratch: Path) -> tuple[Any, Learner]:
     preset model made under ``scratch``: what both trainer benchmarks step."""
     from tokenizers import Tokenizer
 
+    from services.config.trainer import JobConfig
     from services.model_factory.build import init_model
-    from services.trainer.config import JobConfig
     from services.trainer.learner import Learner
     from services.trainer.model import load_pretrained, resolve_compute_dtype
 
@@ -123,7 +123,7 @@ def _best(calls: dict[str, Callable[[], float]], repeats: int) -> dict[str, tupl
 
 def run(quick: bool) -> BenchResult:
     """RL and SFT step seconds with and without prefix sharing, in one process."""
-    from services.config import BaseModelConfig
+    from services.config.launcher import BaseModelConfig
     from services.launcher.base_model import sft_records
     from services.trainer.batch import RLBatch, pack_microbatch
     from services.trainer.sft import ExampleStream, JsonlSource, to_microbatch

@@ -35,8 +35,8 @@ import uvloop
 
 from services.api.v1 import common_pb2, reconciler_pb2
 from services.bench import BenchResult
+from services.config.reconciler import ReconcilerConfig
 from services.launcher.redis_server import start_private_redis
-from services.reconciler.config import ReconcilerConfig
 from services.reconciler.store import SlotStore
 
 TARGET_LIFECYCLES = 5000.0

@@ -75,7 +75,7 @@ from pydantic import ValidationError
 from services import routed_experts
 from services.api.v1 import inference_pb2, inference_pb2_grpc
 from services.bench import BenchResult, BenchSettingError, replay_turns
-from services.config import BaseModelConfig
+from services.config.launcher import BaseModelConfig
 from services.launcher.processes import ManagedProcess
 from services.model_factory.presets import PRESETS, ModelPreset
 from services.trainer.model.layers import Numerics

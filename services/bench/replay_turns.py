@@ -112,7 +112,7 @@ async def _rollouts(
     tool_outputs: list[list[int]],
     turn_tokens: int,
 ) -> tuple[int, list[dict[str, Any]]]:
-    from services.inference.config import EngineConfig
+    from services.config.inference import EngineConfig
     from services.inference.engine import Engine
     from services.model_factory.vocabulary import special_token_ids
 

@@ -116,7 +116,7 @@ def run(quick: bool) -> BenchResult:
     """RL and SFT steps of the small preset, the current path against the new one."""
 
     from services.bench.prefix_sharing import rl_items, small_learner
-    from services.config import BaseModelConfig
+    from services.config.launcher import BaseModelConfig
     from services.launcher.base_model import sft_records
     from services.trainer.batch import RLBatch, pack_microbatch
     from services.trainer.sft import ExampleStream, JsonlSource, to_microbatch

@@ -7,7 +7,8 @@ Start it with ``python -m services.envs --config configs/local.toml`` or
 ``etude serve envs --config configs/local.toml``.
 """
 
+from services.config.envs import EnvsProcessConfig
 from services.process import main
 
 if __name__ == "__main__":
-    raise SystemExit(main("envs"))
+    raise SystemExit(main("envs", EnvsProcessConfig))

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
-    from services.envs.families import TaskFamily
-    from services.envs.sandbox import SandboxConfig
+    from services.config.envs import SandboxConfig
+    from services.families import TaskFamily
 
 envs_app = typer.Typer(help="Sandboxed commands and task grading.", no_args_is_help=True)
 
@@ -45,16 +45,17 @@ def _fail(message: str) -> typer.Exit:
 def _sandbox_config(config: Path | None) -> SandboxConfig:
     from pydantic import ValidationError
 
-    from services.run_config import load_config
+    from services.config.envs import EnvsProcessConfig
+    from services.config.loading import load_service_config
 
     try:
-        return load_config(config).envs.sandbox
+        return load_service_config(EnvsProcessConfig, config).envs.sandbox
     except (ValidationError, ValueError, FileNotFoundError) as error:
         raise _fail(f"invalid config: {error}") from error
 
 
 def _family(suite: str, seed: int, task_file: Path | None) -> TaskFamily:
-    from services.envs.families import load_family
+    from services.families import load_family
 
     options: dict[str, dict[str, Any]] = {"synthetic": {"seed": seed}, "repo": {}}
     if suite == "repo":

@@ -1,7 +1,7 @@
 """Grading: run a task's hidden tests in the sandbox and turn the outcome into a score.
 
 ``grade`` copies the grading spec's hidden files and the runner
-(``services/envs/families/runner.py``, always the service's own copy) into the
+(``services/families/runner.py``, always the service's own copy) into the
 workspace, runs the grading command in the sandbox under the spec's timeout, and
 removes them again (restoring any workspace file they displaced), so the agent never
 sees the hidden tests between runs.
@@ -41,14 +41,14 @@ from typing import Any
 
 from services.api.v1 import common_pb2
 from services.envs import faults, metrics
-from services.envs.families import GRADING_DIR, RUNNER_PATH
-from services.envs.families.runner import RESULT_PREFIX
 from services.envs.sandbox import ExecOutcome
 from services.envs.workspace import Workspaces
+from services.families import GRADING_DIR, RUNNER_PATH, runner
+from services.families.runner import RESULT_PREFIX
 
 log = logging.getLogger(__name__)
 
-RUNNER_SOURCE = (Path(__file__).parent / "families" / "runner.py").read_bytes()
+RUNNER_SOURCE = Path(runner.__file__).read_bytes()
 DEFAULT_TIMEOUT_S = 60.0
 # Grading writes no bytecode into the workspace: it would outlive the run.
 GRADING_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}

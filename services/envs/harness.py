@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 from services import routed_experts
 from services.api.v1 import common_pb2
-from services.envs.config import HarnessConfig
+from services.config.envs import HarnessConfig
 from services.envs.tools import Tools, parse_tool_calls
 from services.model_factory.vocabulary import special_token_ids
 

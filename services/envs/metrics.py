@@ -15,8 +15,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.api.v1 import common_pb2
 from services.envs.faults import InfraKind
-from services.envs.rewards import reward_parts
 from services.envs.tools import Tools
+from services.reward_parts import reward_parts
 
 ROLLOUTS = Counter(
     "etude_envs_rollouts",

@@ -15,63 +15,16 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
-
-from pydantic import Field
 
 from services.api.v1 import common_pb2
-from services.config import StrictModel
+from services.config.envs import LengthPenaltyConfig, RewardConfig
 
 REASONING_WORDS = re.compile(
     r"\b(i think|let me|let's|we need to|i need to|i will|i'll|first,|then i|wait,|hmm|"
     r"actually,|maybe|i should|my approach|the idea is)\b",
     re.IGNORECASE,
 )
-
-
-class LengthPenaltyConfig(StrictModel):
-    """C(x) and the weights that make x."""
-
-    scale: float = Field(
-        0.001,
-        ge=0,
-        description="Reward part = -scale * C(x); 0 turns it off. The default costs a "
-        "two-turn, 100-token rollout about 0.1, a tenth of a solved task.",
-    )
-    k: float = Field(0.01, gt=0, description="Curvature knee of C.")
-    q: float = Field(0.5, gt=0, lt=1, description="Concavity of C (q -> 1: logarithmic).")
-    thinking_tokens: float = Field(1.0, ge=0, description="Weight of a thinking token.")
-    tool_call_tokens: float = Field(1.0, ge=0, description="Weight of a tool-call token.")
-    tool_output_tokens: float = Field(0.1, ge=0, description="Weight of a tool-output token.")
-    final_message_tokens: float = Field(1.0, ge=0, description="Weight of a final-message token.")
-    tool_calls: float = Field(10.0, ge=0, description="Weight of one tool call.")
-    turns: float = Field(10.0, ge=0, description="Weight of one turn.")
-
-
-class BehaviourConfig(StrictModel):
-    """Penalties for habits the report discourages."""
-
-    unfinished_todo: float = Field(0.1, ge=0, description="Per to-do item left open.")
-    comment_reasoning: float = Field(0.2, ge=0, description="When comments read like reasoning.")
-    comment_reasoning_lines: int = Field(
-        2, ge=1, description="Reasoning-like comment lines that trigger the penalty."
-    )
-    terminal_only: float = Field(0.1, ge=0, description="When only shell commands were used.")
-
-
-class RewardConfig(StrictModel):
-    """How a rollout's reward is made."""
-
-    task_mode: int = Field(
-        0,
-        ge=0,
-        le=2,
-        description="RewardMode override (1 all-pass, 2 pass fraction); 0 uses the task's.",
-    )
-    length: LengthPenaltyConfig = Field(default_factory=LengthPenaltyConfig, description="C(x).")
-    behaviour: BehaviourConfig = Field(default_factory=BehaviourConfig, description="Penalties.")
 
 
 def concave_cost(x: float, k: float, q: float) -> float:
@@ -139,30 +92,3 @@ def reward(
         behaviour_parts=parts,
         total=task_score + length + behaviour_total,
     )
-
-
-class HasRewardParts(Protocol):
-    """A reward by part: a rollout's ``RewardParts`` or a mean over rollouts."""
-
-    @property
-    def total(self) -> float: ...
-    @property
-    def task(self) -> float: ...
-    @property
-    def length_penalty(self) -> float: ...
-    @property
-    def behaviour(self) -> float: ...
-    @property
-    def behaviour_parts(self) -> Mapping[str, float]: ...
-
-
-def reward_parts(reward: HasRewardParts) -> dict[str, float]:
-    """A reward by part, as metrics label it: total, task, length_penalty, behaviour and
-    ``behaviour:<name>`` for each behaviour penalty."""
-    return {
-        "total": reward.total,
-        "task": reward.task,
-        "length_penalty": reward.length_penalty,
-        "behaviour": reward.behaviour,
-        **{f"behaviour:{name}": value for name, value in reward.behaviour_parts.items()},
-    }

@@ -43,11 +43,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from pydantic import Field
-
-from services.config import MIB, StrictModel
+from services.config.envs import SandboxConfig
 
 SANDBOX_HOME = "/workspace"
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -59,37 +56,6 @@ TAIL_SHARE = 0.25
 # What the start-pipe wrapper runs, before its fd number, inside a set-up sandbox: it
 # writes the start byte, then execs the command (which so replaces it as pid 1).
 START_SIGNAL = "printf x >&"
-
-
-class SandboxConfig(StrictModel):
-    """Limits and mounts of one command in the sandbox."""
-
-    cpu_s: int = Field(30, ge=1, le=3600, description="CPU seconds (RLIMIT_CPU).")
-    wall_s: float = Field(60.0, gt=0, le=3600, description="Wall clock before the group is killed.")
-    memory_bytes: int = Field(1024 * MIB, ge=16 * MIB, description="Address space (RLIMIT_AS).")
-    max_processes: int = Field(
-        64, ge=1, le=4096, description="Processes of the uid (RLIMIT_NPROC)."
-    )
-    max_file_bytes: int = Field(
-        16 * MIB, ge=1024, description="Largest file written (RLIMIT_FSIZE)."
-    )
-    max_open_files: int = Field(256, ge=16, le=65536, description="Open files (RLIMIT_NOFILE).")
-    max_output_bytes: int = Field(64 * 1024, ge=1024, description="stdout and stderr are cut here.")
-    tmp_bytes: int = Field(64 * MIB, ge=MIB, description="Size of the private /tmp (tmpfs).")
-    uid: int = Field(
-        65534, ge=1, description="Unprivileged uid commands run as when the service is root."
-    )
-    allow_unsafe_local: bool = Field(
-        False, description="Without bubblewrap, run commands unsandboxed (trusted tests only)."
-    )
-    backend: Literal["bubblewrap", "pod"] = Field(
-        "bubblewrap",
-        description="bubblewrap: namespaces per command (needs user namespaces in the pod). "
-        "pod: the pod is the isolation boundary (a gVisor or Kata runtimeClassName); "
-        "commands keep the per-command limits (the uid, rlimits, time, output caps, a "
-        "cleared environment) without namespaces. The envs container must run as root "
-        "inside such a pod, to drop to `uid`. Chosen here, never a fallback.",
-    )
 
 
 @dataclass

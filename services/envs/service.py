@@ -15,13 +15,13 @@ from pathlib import Path
 from grpc import aio
 
 from services.api.v1 import common_pb2, envs_pb2, envs_pb2_grpc
+from services.config.envs import EnvsProcessConfig
 from services.envs import validation
 from services.envs.faults import InfraFault
 from services.envs.grading import grade
 from services.envs.sandbox import SandboxUnavailable, make_sandbox
 from services.envs.worker import RolloutWorker
 from services.envs.workspace import Workspaces
-from services.run_config import EtudeConfig
 from services.wire.client import Channels
 from services.wire.errors import FailedPrecondition, Unavailable, require_identifier
 from services.wire.server import run_service
@@ -140,9 +140,10 @@ class EnvsService(Service):
     """Ready when a sandbox is available and the reconciler and inference are ready."""
 
     name = "envs"
+    config: EnvsProcessConfig
     dependencies = ("reconciler", "inference")
 
-    def __init__(self, config: EtudeConfig, channels: Channels) -> None:
+    def __init__(self, config: EnvsProcessConfig, channels: Channels) -> None:
         super().__init__(config, channels)
         settings = config.envs
         self.sandbox_problem = ""
@@ -171,9 +172,9 @@ class EnvsService(Service):
 
         from services.envs.worker import worker_id
         from services.objectstore import open_store
-        from services.reconciler.client import ReconcilerClient
+        from services.reconciler_client import ReconcilerClient
 
-        tokenizer_dir = settings.tokenizer_dir or self.config.inference.engine.model_dir
+        tokenizer_dir = settings.tokenizer_dir or self.config.model.directory
         worker = RolloutWorker(
             worker_id=worker_id("envs"),
             reconciler=ReconcilerClient(self.channels.get("reconciler")),
@@ -225,6 +226,6 @@ class EnvsService(Service):
         return fields
 
 
-def run(config: EtudeConfig) -> None:
+def run(config: EnvsProcessConfig) -> None:
     """Runs the envs service until SIGTERM."""
     run_service(EnvsService, config)

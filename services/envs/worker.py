@@ -28,14 +28,15 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.config.envs import RewardConfig
 from services.envs import faults, metrics
 from services.envs.harness import Harness, HarnessConfig
 from services.envs.inference_client import InferenceGenerator
-from services.envs.rewards import Behaviour, RewardConfig, reasoning_comment_lines, reward
+from services.envs.rewards import Behaviour, reasoning_comment_lines, reward
 from services.envs.tools import Tools
 from services.envs.workspace import Workspaces
 from services.objectstore.base import ObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 
 log = logging.getLogger(__name__)
 

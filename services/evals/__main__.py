@@ -6,7 +6,8 @@ Start it with ``python -m services.evals --config configs/local.toml`` or
 ``etude serve evals --config configs/local.toml``.
 """
 
+from services.config.evals import EvalsProcessConfig
 from services.process import main
 
 if __name__ == "__main__":
-    raise SystemExit(main("evals"))
+    raise SystemExit(main("evals", EvalsProcessConfig))

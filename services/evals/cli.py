@@ -30,13 +30,14 @@ def report(
     """Write the HTML report of every eval of a run: plots by version, per-task tables."""
     from pydantic import ValidationError
 
+    from services.config.evals import EvalsProcessConfig
+    from services.config.loading import load_service_config
     from services.evals.report import render
     from services.evals.results import discover, read_record
     from services.objectstore import open_store
-    from services.run_config import load_config
 
     try:
-        settings = load_config(config)
+        settings = load_service_config(EvalsProcessConfig, config)
     except (ValidationError, ValueError, FileNotFoundError) as error:
         typer.echo(f"invalid config: {error}", err=True)
         raise typer.Exit(2) from error

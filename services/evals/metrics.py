@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.envs.rewards import reward_parts
 from services.evals.record import EvalRecord
+from services.reward_parts import reward_parts
 
 VERSION = Gauge("etude_evals_version", "Newest policy version scored on the suite.", ["suite"])
 PASS_AT_1 = Gauge("etude_evals_pass_at_1", "pass@1 of the newest scored version.", ["suite"])

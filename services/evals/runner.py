@@ -23,15 +23,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.config.evals import EvalsConfig
 from services.evals import metrics
-from services.evals.config import EvalsConfig
 from services.evals.record import EvalRecord, eval_id
 from services.evals.results import ResultsStore
 from services.evals.scoring import score
 from services.evals.suites import Suite
 from services.evals.versions import TaskSamples, retry_key
 from services.objectstore.base import ObjectStore
-from services.reconciler.client import GroupDropped, ReconcilerClient
+from services.reconciler_client import GroupDropped, ReconcilerClient
 from services.weights.manifest import Layout, read_latest
 from services.wire.errors import FailedPrecondition, NotFound, Unavailable
 

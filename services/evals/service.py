@@ -23,6 +23,7 @@ import grpc
 from grpc import aio
 
 from services.api.v1 import common_pb2, evals_pb2, evals_pb2_grpc
+from services.config.evals import EvalsProcessConfig
 from services.evals.record import EvalRecord, eval_id
 from services.evals.report import render
 from services.evals.results import ResultsStore, read_record, report_prefix
@@ -30,8 +31,7 @@ from services.evals.runner import EvalFailed, Evaluator
 from services.evals.suites import Suite, load_suites
 from services.evals.watcher import VersionWatcher
 from services.objectstore import ObjectNotFound, open_store
-from services.reconciler.client import ReconcilerClient
-from services.run_config import EtudeConfig
+from services.reconciler_client import ReconcilerClient
 from services.wire.client import Channels
 from services.wire.errors import (
     FailedPrecondition,
@@ -134,9 +134,10 @@ class EvalsService(Service):
     """Ready when the object store answers and the reconciler and inference are ready."""
 
     name = "evals"
+    config: EvalsProcessConfig
     dependencies = ("reconciler", "inference")
 
-    def __init__(self, config: EtudeConfig, channels: Channels) -> None:
+    def __init__(self, config: EvalsProcessConfig, channels: Channels) -> None:
         super().__init__(config, channels)
         settings = config.evals
         self.suites: dict[str, Suite] = load_suites(settings.suites)
@@ -332,6 +333,6 @@ class EvalsService(Service):
         return fields
 
 
-def run(config: EtudeConfig) -> None:
+def run(config: EvalsProcessConfig) -> None:
     """Runs the evals service until SIGTERM."""
     run_service(EvalsService, config)

@@ -20,7 +20,7 @@ import grpc
 from grpc import aio
 
 from services.objectstore.base import ObjectStore, ObjectStoreError
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.weights.manifest import Layout, WeightsError, read_latest
 
 log = logging.getLogger(__name__)

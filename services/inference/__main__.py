@@ -7,7 +7,8 @@ Start it with ``python -m services.inference --config configs/local.toml`` or
 after the config is parsed.
 """
 
+from services.config.inference import InferenceProcessConfig
 from services.process import main
 
 if __name__ == "__main__":
-    raise SystemExit(main("inference"))
+    raise SystemExit(main("inference", InferenceProcessConfig))

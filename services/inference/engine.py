@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.config.inference import EngineConfig
 from services.dtypes import resolve_dtype
-from services.inference.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

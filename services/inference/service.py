@@ -18,14 +18,14 @@ from grpc import aio
 
 from services import routed_experts
 from services.api.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.config.inference import InferenceProcessConfig
 from services.inference import metrics, validation
 from services.inference.engine import Engine
 from services.inference.updates import WeightFollower
 from services.messages import validate_version_notice
 from services.model_source import fingerprint
 from services.objectstore import open_store
-from services.reconciler.client import ReconcilerClient
-from services.run_config import EtudeConfig
+from services.reconciler_client import ReconcilerClient
 from services.weights.subscriber import WeightSubscriber
 from services.wire.client import Channels
 from services.wire.errors import FailedPrecondition, NotFound, Unavailable
@@ -153,9 +153,10 @@ class InferenceService(Service):
     """Ready when the vLLM engine is loaded."""
 
     name = "inference"
+    config: InferenceProcessConfig
 
     def __init__(
-        self, config: EtudeConfig, channels: Channels, engine: Engine | None = None
+        self, config: InferenceProcessConfig, channels: Channels, engine: Engine | None = None
     ) -> None:
         super().__init__(config, channels)
         # The vLLM engine of ``inference.engine`` unless one is given (tests).
@@ -214,6 +215,6 @@ class InferenceService(Service):
         }
 
 
-def run(config: EtudeConfig) -> None:
+def run(config: InferenceProcessConfig) -> None:
     """Runs one inference replica until SIGTERM."""
     run_service(InferenceService, config)

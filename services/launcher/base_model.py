@@ -39,7 +39,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from services.config import BaseModelConfig
+from services.config.launcher import BaseModelConfig
 from services.model_factory.presets import ModelPreset, PresetName
 
 STAGES = ("init", "cpt", "sft")
@@ -104,8 +104,8 @@ def sft_records(
     """SFT examples from the first ``num_tasks`` synthetic training tasks of ``seed``;
     the solution of a task prints instead of returning with probability
     ``flawed_fraction`` (drawn from ``seed`` and the task's position)."""
-    from services.envs.families import CANONICAL_KEY
-    from services.envs.families.synthetic import make_task
+    from services.families import CANONICAL_KEY
+    from services.families.synthetic import make_task
 
     if not 0.0 <= flawed_fraction <= 1.0:
         raise ValueError(f"flawed_fraction must be in [0, 1], got {flawed_fraction}")
@@ -145,7 +145,7 @@ def _train_stage(
     """``steps`` next-token steps from ``source_dir``; the result saved at ``out``."""
     import torch
 
-    from services.trainer.config import JobConfig
+    from services.config.trainer import JobConfig
     from services.trainer.learner import Learner
     from services.trainer.model import save_pretrained
     from services.trainer.sft import ExampleStream, open_source, to_microbatch

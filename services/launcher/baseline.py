@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.config.deployment import EtudeConfig
 from services.objectstore.base import ObjectStore
-from services.run_config import EtudeConfig
 from services.weights.manifest import Layout, read_latest
 
 if TYPE_CHECKING:

@@ -21,10 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Group as RenderGroup
 from rich.table import Table
 
+from services.config.deployment import EtudeConfig
 from services.evals.record import EvalRecord
 from services.evals.results import discover, read_record
 from services.objectstore.base import ObjectStore
-from services.run_config import EtudeConfig
 
 
 def read_steps(path: Path | None) -> list[dict[str, Any]]:

@@ -49,9 +49,9 @@ from rich.live import Live
 from rich.table import Table
 
 from services.config import SERVICE_NAMES, ServiceName
+from services.config.deployment import EtudeConfig
 from services.launcher.processes import ManagedProcess
 from services.launcher.redis_server import redis_answers, start_private_redis
-from services.run_config import EtudeConfig
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _probe(config: EtudeConfig, service: ServiceName) -> ServiceState:
 
 def enabled_suites(config: EtudeConfig) -> list[str]:
     """The eval suites the evals service scores every version on."""
-    from services.evals.config import SuiteConfig
+    from services.config.evals import SuiteConfig
     from services.evals.suites import suite_classes
 
     settings = config.evals.suites

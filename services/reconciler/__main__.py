@@ -7,7 +7,8 @@ published policy version. Start it with
 ``etude serve reconciler --config configs/local.toml``.
 """
 
+from services.config.reconciler import ReconcilerProcessConfig
 from services.process import main
 
 if __name__ == "__main__":
-    raise SystemExit(main("reconciler"))
+    raise SystemExit(main("reconciler", ReconcilerProcessConfig))

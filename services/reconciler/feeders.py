@@ -20,9 +20,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.config.reconciler import FeederConfig
 from services.messages import validate_task
 from services.objectstore import ObjectStore
-from services.reconciler.config import FeederConfig
 from services.reconciler.store import SlotStore
 
 log = logging.getLogger(__name__)

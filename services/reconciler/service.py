@@ -18,13 +18,13 @@ import uvloop
 from grpc import aio
 
 from services.api.v1 import common_pb2, reconciler_pb2, reconciler_pb2_grpc
+from services.config.reconciler import ReconcilerProcessConfig
 from services.objectstore import open_store
 from services.reconciler import validation
 from services.reconciler.events import GroupEvents
 from services.reconciler.feeders import build_feeder, run_feeder
 from services.reconciler.metrics import GROUP_LATENCY, SNAPSHOT, STALENESS
 from services.reconciler.store import REDIS_DOWN, SlotStore
-from services.run_config import EtudeConfig
 from services.wire.client import Channels
 from services.wire.errors import NotFound, ServiceError, Unavailable
 from services.wire.server import run_service
@@ -237,8 +237,9 @@ class ReconcilerService(Service):
     """Ready when Redis answers."""
 
     name = "reconciler"
+    config: ReconcilerProcessConfig
 
-    def __init__(self, config: EtudeConfig, channels: Channels) -> None:
+    def __init__(self, config: ReconcilerProcessConfig, channels: Channels) -> None:
         super().__init__(config, channels)
         url = config.redis.url
         self.redis: aioredis.Redis = aioredis.from_url(
@@ -327,7 +328,7 @@ class ReconcilerService(Service):
         return fields
 
 
-def run(config: EtudeConfig) -> None:
+def run(config: ReconcilerProcessConfig) -> None:
     """Runs the reconciler until SIGTERM, on uvloop."""
     # Each call is a gRPC answer and a Redis round trip; uvloop spends less CPU on both.
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

@@ -21,7 +21,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.api.v1 import common_pb2, reconciler_pb2
-from services.reconciler.config import ReconcilerConfig
+from services.config.reconciler import ReconcilerConfig
 from services.wire.errors import FailedPrecondition, NotFound
 
 KIND_NAMES: dict[int, str] = {

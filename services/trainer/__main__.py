@@ -7,7 +7,8 @@ Start it with ``python -m services.trainer --config configs/local.toml`` or
 ``etude serve trainer --config configs/local.toml``.
 """
 
+from services.config.trainer import TrainerProcessConfig
 from services.process import main
 
 if __name__ == "__main__":
-    raise SystemExit(main("trainer"))
+    raise SystemExit(main("trainer", TrainerProcessConfig))

@@ -50,8 +50,8 @@ from services.trainer.paths import (
 from services.trainer.runtime import LocalRuntime, TrainerRuntime
 
 if TYPE_CHECKING:
+    from services.config.trainer import TrainerProcessConfig
     from services.objectstore.base import ObjectStore
-    from services.run_config import EtudeConfig
 
 _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
@@ -128,7 +128,7 @@ class Checkpoints(abc.ABC):
 
 
 def open_checkpoints(
-    config: EtudeConfig, store: ObjectStore, runtime: TrainerRuntime | None = None
+    config: TrainerProcessConfig, store: ObjectStore, runtime: TrainerRuntime | None = None
 ) -> Checkpoints:
     """The run's checkpoints where ``checkpoint.location`` puts them."""
     keep_last = checkpoint_config(config).keep_last

@@ -24,7 +24,7 @@ from services.trainer.paths import (
 from services.weights.manifest import ObjectEntry
 
 if TYPE_CHECKING:
-    from services.run_config import EtudeConfig
+    from services.config.trainer import TrainerProcessConfig
 
 FORMAT_VERSION = 1
 
@@ -118,7 +118,7 @@ def list_store_checkpoints(store: ObjectStore, prefix: str) -> list[CheckpointIn
     return _oldest_first(found)
 
 
-def list_checkpoints(config: EtudeConfig, store: ObjectStore) -> list[CheckpointInfo]:
+def list_checkpoints(config: TrainerProcessConfig, store: ObjectStore) -> list[CheckpointInfo]:
     """The run's checkpoints, wherever ``checkpoint.location`` puts them."""
     if checkpoints_in_store(config):
         return list_store_checkpoints(store, checkpoint_prefix(config))

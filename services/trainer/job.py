@@ -34,16 +34,15 @@ from typing import Any
 import torch
 
 from services.api.v1 import reconciler_pb2
+from services.config.trainer import JobConfig, TrainerProcessConfig
 from services.model_source import fingerprint
 from services.objectstore.base import ObjectStore
-from services.reconciler.client import ReconcilerClient
-from services.run_config import EtudeConfig
+from services.reconciler_client import ReconcilerClient
 from services.slot_faults import fault_counts
 from services.trainer import metrics
 from services.trainer.batch import collect_rl_items, load_groups, returned_slots
 from services.trainer.checkpoint import CheckpointInfo, Checkpoints, open_checkpoints
 from services.trainer.checkpoint_requests import CheckpointRequests
-from services.trainer.config import JobConfig
 from services.trainer.distributed.layout import check_job
 from services.trainer.learner import Learner
 from services.trainer.model import Architecture
@@ -81,7 +80,7 @@ class TrainingJob:
 
     def __init__(
         self,
-        config: EtudeConfig,
+        config: TrainerProcessConfig,
         job: JobConfig,
         reconciler: ReconcilerClient | None,
         runtime: TrainerRuntime,
@@ -96,7 +95,7 @@ class TrainingJob:
         self.reconciler = reconciler  # rank 0 of an RL job: what to pull and commit
         self.runtime, self.learner, self.planner = runtime, learner, planner
         self.checkpoints, self.publisher = checkpoints, publisher
-        self.model_dir = job.model.model_dir or config.inference.engine.model_dir
+        self.model_dir = job.model.model_dir or config.model.directory
         self.state, self.error = "starting", ""
         self.step, self.cursor = int(resumed["step"]), int(resumed["cursor"])
         self.initial_version = int(resumed["initial_version"])
@@ -110,7 +109,7 @@ class TrainingJob:
     @classmethod
     def build(
         cls,
-        config: EtudeConfig,
+        config: TrainerProcessConfig,
         store: ObjectStore,
         reconciler: ReconcilerClient | None,
         runtime: TrainerRuntime,
@@ -121,7 +120,7 @@ class TrainingJob:
         assert job is not None, "the trainer builds a job only when [trainer.job] is set"
         if job.phase == "rl" and runtime.is_leader and reconciler is None:
             raise ValueError("rank 0 of an RL job pulls from the reconciler: it needs a client")
-        model_dir = job.model.model_dir or config.inference.engine.model_dir
+        model_dir = job.model.model_dir or config.model.directory
         if job.num_threads:
             torch.set_num_threads(job.num_threads)
         check_job(job, Architecture.from_model_dir(model_dir), runtime.world_size)

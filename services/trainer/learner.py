@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 import torch
 
+from services.config.trainer import JobConfig
 from services.trainer.batch import Microbatch, RLBatch
-from services.trainer.config import JobConfig
 from services.trainer.loss import next_token_loss, policy_loss
 from services.trainer.model import (
     ForwardOutput,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.trainer.config import OptimizerConfig
+from services.config.trainer import OptimizerConfig
 
 _ADAMW_ONLY_2D = ("embed_tokens", "lm_head", ".gate.", "mtp.")
 

@@ -6,28 +6,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.trainer.config import CheckpointConfig
+from services.config.trainer import CheckpointConfig
 
 if TYPE_CHECKING:
-    from services.run_config import EtudeConfig
+    from services.config.trainer import TrainerProcessConfig
 
 META_FILE = "etude_checkpoint.json"
 MANIFEST = "manifest.json"
 
 
-def checkpoint_root(config: EtudeConfig) -> Path:
+def checkpoint_root(config: TrainerProcessConfig) -> Path:
     """The run's local checkpoint directory (with checkpoints in the object store, where
     saves and resumes stage their files)."""
     return config.trainer.checkpoint_dir or config.run.state_dir / "checkpoints" / config.run.name
 
 
-def checkpoint_config(config: EtudeConfig) -> CheckpointConfig:
+def checkpoint_config(config: TrainerProcessConfig) -> CheckpointConfig:
     """The job's checkpoint settings (the defaults for a trainer without a job)."""
     job = config.trainer.job
     return job.checkpoint if job is not None else CheckpointConfig()
 
 
-def checkpoints_in_store(config: EtudeConfig) -> bool:
+def checkpoints_in_store(config: TrainerProcessConfig) -> bool:
     """Whether the run's checkpoints live in the object store (``checkpoint.location``)."""
     location = checkpoint_config(config).location
     if location == "auto":
@@ -35,7 +35,7 @@ def checkpoints_in_store(config: EtudeConfig) -> bool:
     return location == "object_store"
 
 
-def checkpoint_prefix(config: EtudeConfig) -> str:
+def checkpoint_prefix(config: TrainerProcessConfig) -> str:
     """The key prefix of the run's checkpoints in the object store."""
     return f"{checkpoint_config(config).prefix}/{config.run.name}"
 

@@ -37,7 +37,7 @@ from services.api.v1 import common_pb2
 from services.config import WeightsConfig
 from services.model_source import Fingerprint
 from services.objectstore.base import ObjectStore
-from services.reconciler.client import ReconcilerClient
+from services.reconciler_client import ReconcilerClient
 from services.trainer import metrics
 from services.trainer.model import Qwen3MoE
 from services.trainer.runtime import TrainerRuntime

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from services.trainer.config import JobConfig
+from services.config.trainer import JobConfig
 from services.trainer.distributed.layout import ParallelLayout
 from services.trainer.optim import clip_and_step
 

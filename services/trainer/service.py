@@ -25,7 +25,7 @@ from grpc import aio
 # Declares the trainer's metrics, so that an idle trainer (no job, no torch) exports them too.
 import services.trainer.metrics  # noqa: F401
 from services.api.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from services.run_config import EtudeConfig
+from services.config.trainer import TrainerProcessConfig
 from services.wire.client import Channels
 from services.wire.errors import FailedPrecondition, require
 from services.wire.service import Readiness, Service
@@ -111,10 +111,14 @@ class TrainerService(Service):
     (None: an idle trainer, without ``[trainer.job]``)."""
 
     name = "trainer"
+    config: TrainerProcessConfig
     dependencies = ("reconciler",)
 
     def __init__(
-        self, config: EtudeConfig, channels: Channels, runtime: TrainerRuntime | None = None
+        self,
+        config: TrainerProcessConfig,
+        channels: Channels,
+        runtime: TrainerRuntime | None = None,
     ) -> None:
         super().__init__(config, channels)
         self.runtime = runtime
@@ -145,7 +149,7 @@ class TrainerService(Service):
     async def _train(self, runtime: TrainerRuntime) -> None:
         """Builds the job (the server answers meanwhile), then runs it."""
         from services.objectstore.factory import open_store
-        from services.reconciler.client import ReconcilerClient
+        from services.reconciler_client import ReconcilerClient
         from services.trainer.job import TrainingJob
 
         rl = self.phase == "rl" and runtime.is_leader
@@ -193,7 +197,7 @@ class TrainerService(Service):
         return fields
 
 
-def run(config: EtudeConfig) -> None:
+def run(config: TrainerProcessConfig) -> None:
     """Runs the trainer until SIGTERM; under torchrun, this process's rank of it."""
     from services.trainer.distributed.launch import local_rank, start_runtime
 
@@ -215,7 +219,7 @@ def run(config: EtudeConfig) -> None:
         runtime.close()
 
 
-def _serve(config: EtudeConfig, runtime: TrainerRuntime | None) -> None:
+def _serve(config: TrainerProcessConfig, runtime: TrainerRuntime | None) -> None:
     """``run_service`` for a service built with this process's runtime."""
     from services.telemetry import configure_tracing
     from services.wire.server import serve

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.config.trainer import DataConfig
 from services.trainer.batch import Microbatch, TrainItem, pack_microbatch
-from services.trainer.config import DataConfig
 from services.trainer.rollouts import SegmentTokens
 
 

@@ -18,8 +18,7 @@ from grpc import aio
 from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.trace import TracerProvider
 
-from services.config import MIB, ServiceName
-from services.run_config import EtudeConfig
+from services.config import MIB, ServiceName, SharedConfig
 from services.wire.options import channel_options
 
 
@@ -103,7 +102,7 @@ def make_channel(
 class Channels:
     """One lazily-created channel per service of the deployment, closed together."""
 
-    def __init__(self, config: EtudeConfig, tracer_provider: TracerProvider | None = None) -> None:
+    def __init__(self, config: SharedConfig, tracer_provider: TracerProvider | None = None) -> None:
         self._config = config
         self._tracer_provider = tracer_provider
         self._channels: dict[ServiceName, aio.Channel] = {}

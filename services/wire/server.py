@@ -23,7 +23,7 @@ from opentelemetry.instrumentation.grpc import aio_server_interceptor
 from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.trace import TracerProvider
 
-from services.run_config import EtudeConfig
+from services.config import SharedConfig
 from services.wire.client import Channels
 from services.wire.http import serve_http
 from services.wire.interceptors import BearerTokenAuth, ObservedCalls
@@ -217,13 +217,13 @@ async def serve(
 
 
 def make_service(
-    service_cls: type[Service], config: EtudeConfig, tracer_provider: TracerProvider | None = None
+    service_cls: type[Service], config: SharedConfig, tracer_provider: TracerProvider | None = None
 ) -> Service:
     """Instantiates `service_cls` with channels to the rest of the deployment."""
     return service_cls(config, Channels(config, tracer_provider))
 
 
-def run_service(service_cls: type[Service], config: EtudeConfig) -> None:
+def run_service(service_cls: type[Service], config: SharedConfig) -> None:
     """Runs `service_cls` in this process until it is told to stop (the `run` of a service)."""
     from services.telemetry import configure_tracing
 

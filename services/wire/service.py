@@ -24,8 +24,7 @@ from prometheus_client import Gauge
 
 import services
 from services.api.v1 import common_pb2
-from services.config import ServiceConfig, ServiceName
-from services.run_config import EtudeConfig
+from services.config import ServiceConfig, ServiceName, SharedConfig
 from services.wire.client import Channels
 from services.wire.errors import ServiceError
 from services.wire.supervise import Supervisor
@@ -57,7 +56,7 @@ class Service(abc.ABC):
     # Services whose readiness this one's readiness requires (checked over gRPC health).
     dependencies: ClassVar[tuple[ServiceName, ...]] = ()
 
-    def __init__(self, config: EtudeConfig, channels: Channels) -> None:
+    def __init__(self, config: SharedConfig, channels: Channels) -> None:
         self.config = config
         self.channels = channels
         self.started_at = time.time()

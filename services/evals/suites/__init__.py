@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from services.api.v1 import common_pb2
-from services.envs.families import load_family
-from services.evals.config import SuiteConfig
+from services.config.evals import SuiteConfig
+from services.families import load_family
 
 
 class Suite(abc.ABC):

@@ -26,7 +26,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from services.run_config import EtudeConfig
+from services.config.trainer import TrainerProcessConfig
 
 if TYPE_CHECKING:
     from services.trainer.runtime import TrainerRuntime
@@ -44,7 +44,7 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def start_runtime(config: EtudeConfig) -> TrainerRuntime:
+def start_runtime(config: TrainerProcessConfig) -> TrainerRuntime:
     """The runtime of this process's part of the job: ``LocalRuntime`` in one process;
     under torchrun the job's layout is checked (on every rank, before any collective)
     and the process joins the group."""
@@ -57,12 +57,12 @@ def start_runtime(config: EtudeConfig) -> TrainerRuntime:
     if job is None or not launched_distributed():
         return LocalRuntime()
     info = ProcessInfo.from_env()
-    model_dir = job.model.model_dir or config.inference.engine.model_dir
+    model_dir = job.model.model_dir or config.model.directory
     layout = check_job(job, Architecture.from_model_dir(model_dir), info.world_size)
     return start(layout, backend=job.dist.backend, timeout_s=job.dist.timeout_s, info=info)
 
 
-async def train_without_listeners(config: EtudeConfig, runtime: TrainerRuntime) -> None:
+async def train_without_listeners(config: TrainerProcessConfig, runtime: TrainerRuntime) -> None:
     """This rank's part of the job, on a process that serves nothing (not local rank 0)."""
     from services.objectstore.factory import open_store
     from services.trainer.job import TrainingJob

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.trainer.config import JobConfig
+from services.config.trainer import JobConfig
 from services.trainer.model.architecture import Architecture
 
 

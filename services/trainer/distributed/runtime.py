@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from services.trainer.config import JobConfig
+from services.config.trainer import JobConfig
 from services.trainer.distributed.layout import ParallelLayout
 from services.trainer.distributed.mesh import Meshes, build_meshes
 from services.trainer.runtime import TrainerRuntime

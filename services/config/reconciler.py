@@ -7,7 +7,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig, StrictModel
+from services.config import (
+    GrpcServerConfig,
+    HttpServerConfig,
+    ServiceConfig,
+    SharedConfig,
+    StrictModel,
+)
 
 
 class FeederConfig(StrictModel):
@@ -136,3 +142,11 @@ class ReconcilerConfig(ServiceConfig):
                 f"({self.lease_ttl_s})"
             )
         return self
+
+
+class ReconcilerProcessConfig(SharedConfig):
+    """What the reconciler's process reads: the shared sections and ``[reconciler]``."""
+
+    reconciler: ReconcilerConfig = Field(
+        default_factory=ReconcilerConfig, description="Reconciler service."
+    )

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.config import (
+    DEFAULT_MODEL_DIR,
     GrpcServerConfig,
     HttpServerConfig,
     ServiceConfig,
+    SharedConfig,
     StrictModel,
 )
 
@@ -19,7 +21,9 @@ class EngineConfig(StrictModel):
     """The vLLM engine of one replica."""
 
     model_dir: Path = Field(
-        Path(".etude/models/small"), description="HF-layout model directory (etude model init)."
+        DEFAULT_MODEL_DIR,
+        description="HF-layout model directory: model.dir, which names the model for every "
+        "service; set this only to repeat it.",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
@@ -79,3 +83,28 @@ class InferenceConfig(ServiceConfig):
             "replica turns ready only once it serves the newest complete version."
         ),
     )
+
+
+class InferenceProcessConfig(SharedConfig):
+    """What an inference process reads: the shared sections and ``[inference]``."""
+
+    inference: InferenceConfig = Field(
+        default_factory=InferenceConfig, description="Inference service."
+    )
+
+    @model_validator(mode="after")
+    def _one_model(self) -> InferenceProcessConfig:
+        """``model.dir`` is the one model of the run: the engine serves it, and the trainer
+        and envs, which read only ``model.dir``, start from it and tokenize with it. Naming
+        another model at ``inference.engine.model_dir`` is an error, not a choice."""
+        engine = self.inference.engine
+        model_dir = self.model.directory
+        if "model_dir" in engine.model_fields_set and engine.model_dir != model_dir:
+            named = "" if self.model.dir is not None else ", its default"
+            raise ValueError(
+                f"model.dir ({model_dir}{named}) and inference.engine.model_dir "
+                f"({engine.model_dir}) name two models; set model.dir only"
+            )
+        if engine.model_dir != model_dir:
+            engine.model_dir = model_dir
+        return self

@@ -13,7 +13,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig, StrictModel
+from services.config import (
+    GrpcServerConfig,
+    HttpServerConfig,
+    ServiceConfig,
+    SharedConfig,
+    StrictModel,
+)
 
 
 class ModelSettings(StrictModel):
@@ -21,7 +27,7 @@ class ModelSettings(StrictModel):
 
     model_dir: Path | None = Field(
         None,
-        description="HF model directory to start from; unset means inference.engine.model_dir "
+        description="HF model directory to start from; unset means model.dir "
         "(the model inference serves).",
     )
     compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
@@ -358,3 +364,9 @@ class TrainerConfig(ServiceConfig):
     job: JobConfig | None = Field(
         None, description="The training job; unset, the trainer only answers status."
     )
+
+
+class TrainerProcessConfig(SharedConfig):
+    """What the trainer's process reads: the shared sections and ``[trainer]``."""
+
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Trainer service.")

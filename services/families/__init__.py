@@ -23,9 +23,9 @@ from services.api.v1 import common_pb2
 
 # name -> "module:class"
 FAMILIES: dict[str, str] = {
-    "synthetic": "services.envs.families.synthetic:SyntheticFamily",
-    "humaneval": "services.envs.families.humaneval:HumanEvalFamily",
-    "repo": "services.envs.families.repo:RepoFamily",
+    "synthetic": "services.families.synthetic:SyntheticFamily",
+    "humaneval": "services.families.humaneval:HumanEvalFamily",
+    "repo": "services.families.repo:RepoFamily",
 }
 
 # Hidden grading files live here while a grading command runs; the directory is

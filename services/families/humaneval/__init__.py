@@ -17,7 +17,7 @@ from importlib import resources
 from typing import Any
 
 from services.api.v1 import common_pb2
-from services.envs.families import (
+from services.families import (
     CANONICAL_KEY,
     GRADING_DIR,
     RUNNER_PATH,

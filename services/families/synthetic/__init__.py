@@ -2,7 +2,7 @@
 
 Tasks are addressed by (split, position) and made on demand from a seed, so the same
 seed gives the same tasks on every machine and ``task_at(position, seed)`` can feed the
-reconciler (``[reconciler.feeders] generator = "services.envs.families.synthetic:task_at"``).
+reconciler (``[reconciler.feeders] generator = "services.families.synthetic:task_at"``).
 The level of a task is ``position % 4`` (levels in ``templates``).
 
 A *behaviour* is what a function does (its template and constants, e.g. "return the
@@ -27,14 +27,14 @@ import hashlib
 import random
 
 from services.api.v1 import common_pb2
-from services.envs.families import (
+from services.families import (
     CANONICAL_KEY,
     GRADING_DIR,
     RUNNER_PATH,
     TaskFamily,
     solution_file,
 )
-from services.envs.families.synthetic.templates import (
+from services.families.synthetic.templates import (
     NUM_LEVELS,
     FunctionSpec,
     draw,

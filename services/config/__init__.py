@@ -1,14 +1,18 @@
-"""Config building blocks every service shares: listeners and the shared sections.
+"""Etude's config schemas: pydantic only, no service code, fast to import.
 
-The whole-deployment model and the TOML/env loader are in ``services.run_config``;
-each service's own section is in ``services/<svc>/config.py``. Pydantic only:
-importing this is fast.
+This module holds the building blocks every section uses (``StrictModel``, the
+listeners) and the shared sections every process reads (``SharedConfig``: run, auth,
+telemetry, endpoints, redis, model, object store, weights). Each service's own section
+and the model its process loads are in ``services.config.<service>``; the whole
+deployment (every section, as ``etude run`` and ``etude config show`` read it) is
+``services.config.deployment``; reading a TOML file with environment overrides is
+``services.config.loading``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -23,6 +27,9 @@ ServiceName = Literal["reconciler", "envs", "inference", "trainer", "evals"]
 SERVICE_NAMES: tuple[ServiceName, ...] = ("reconciler", "envs", "inference", "trainer", "evals")
 
 MIB = 1024 * 1024
+
+DEFAULT_MODEL_DIR = Path(".etude/models/small")
+"""The model's directory when ``model.dir`` is unset: where ``etude run`` builds it."""
 
 
 class GrpcServerConfig(StrictModel):
@@ -178,7 +185,8 @@ class ModelConfig(StrictModel):
     dir: Path | None = Field(
         None,
         description="HF-layout model directory every service reads: the trainer starts from "
-        "it, inference serves it, envs tokenizes with it. Unset: inference.engine.model_dir.",
+        "it, inference serves it, envs tokenizes with it. Unset: .etude/models/small, where "
+        "`etude run` builds the model.",
     )
     store_prefix: str | None = Field(
         None,
@@ -190,6 +198,20 @@ class ModelConfig(StrictModel):
         "that reads it starts (`etude model push` uploads it there): one copy for every pod "
         "of a cluster. Unset: `dir` already holds the model (a volume, or `etude model init`).",
     )
+
+    @property
+    def directory(self) -> Path:
+        """The model's directory: ``dir``, or the default when it is unset."""
+        return DEFAULT_MODEL_DIR if self.dir is None else self.dir
+
+    @model_validator(mode="after")
+    def _somewhere_to_sync(self) -> ModelConfig:
+        if self.store_prefix is not None and self.dir is None:
+            raise ValueError(
+                "model.store_prefix needs model.dir, where to sync the model "
+                f"(got store_prefix = {self.store_prefix!r}, dir = None)"
+            )
+        return self
 
 
 class ObjectStoreConfig(StrictModel):
@@ -247,68 +269,26 @@ class WeightsConfig(StrictModel):
     )
 
 
-class BaseModelConfig(StrictModel):
-    """How `etude run` builds the base model: factory model, CPT, then SFT (see
-    services/launcher/base_model.py)."""
+class SharedConfig(StrictModel):
+    """The sections every process reads; each process's config adds its own section.
 
-    seed: int = Field(0, ge=0, description="Seed of the factory model, the corpus and the tasks.")
-    cpt_steps: int = Field(150, ge=0, description="Continued-pretraining steps on the corpus.")
-    cpt_lr: float = Field(1e-3, gt=0, le=1, description="AdamW learning rate of CPT.")
-    sft_steps: int = Field(300, ge=0, description="SFT steps on agent transcripts.")
-    sft_lr: float = Field(5e-4, gt=0, le=1, description="AdamW learning rate of SFT.")
-    sft_tasks: int = Field(
-        4000, ge=1, description="Synthetic training tasks whose transcripts make the SFT data."
-    )
-    sft_flawed_fraction: float = Field(
-        0.5,
-        ge=0,
-        le=1,
-        description="Share of SFT transcripts whose solution prints its result instead of "
-        "returning it: an imperfect teacher, as demonstration data is. Imitation learns the "
-        "habit; RL on test results can unlearn it. 0 gives a flawless teacher.",
-    )
-    warmup_steps: int = Field(10, ge=0, description="Linear warm-up of each stage, in steps.")
-    tokens_per_step: int = Field(8192, ge=64, description="Tokens per optimizer step.")
-    max_seq_len: int = Field(512, ge=16, description="Longer examples are truncated.")
-    compute_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="Activation dtype of CPT and SFT (weights are float32 either way). On "
-        "this CPU a one-thread float32 step ran about 1.5x faster than bfloat16 autocast.",
-    )
+    A process validates these and its own section only: the file's sections of other
+    services are left to their processes (services.config.loading).
+    """
 
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Authentication.")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Telemetry.")
+    endpoints: EndpointsConfig = Field(default_factory=EndpointsConfig, description="Addresses.")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis.")
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="The base model every service shares."
+    )
+    object_store: ObjectStoreConfig = Field(
+        default_factory=ObjectStoreConfig, description="Object store."
+    )
+    weights: WeightsConfig = Field(default_factory=WeightsConfig, description="Weight exchange.")
 
-class LauncherConfig(StrictModel):
-    """`etude run`: how the local launcher brings a deployment up on one machine."""
-
-    model_preset: Literal["tiny", "small"] = Field(
-        "small", description="Preset `etude run` creates at inference.engine.model_dir if absent."
-    )
-    start_redis: bool = Field(
-        True, description="Start a private redis-server when none answers at redis.url."
-    )
-    ready_timeout_s: float = Field(
-        600.0, gt=0, description="Give up when the services are not all ready after this long."
-    )
-    max_restarts: int = Field(
-        5, ge=0, le=1000, description="A service that exits is restarted up to this many times."
-    )
-    restart_backoff_s: float = Field(
-        1.0, gt=0, le=60, description="Wait before the first restart; doubled each time (<= 30 s)."
-    )
-    train_timeout_s: float = Field(
-        7200.0, gt=0, description="Give up when the trainer's job is not done after this long."
-    )
-    stop_grace_s: float = Field(
-        20.0, gt=0, description="After SIGTERM, a process gets this long before SIGKILL."
-    )
-    base_model: BaseModelConfig = Field(
-        default_factory=BaseModelConfig, description="Building the base model (CPT + SFT)."
-    )
-    cpu_affinity: dict[
-        ServiceName, Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    ] = Field(
-        default_factory=dict,
-        description="CPUs a service's processes may run on, e.g. {inference = [0], trainer = "
-        "[1]}: dedicated cores, as a cluster gives inference and the trainer their own "
-        "devices. Unlisted services run anywhere; empty keeps every service unpinned.",
-    )
+    def redacted_json(self) -> str:
+        """The resolved config as JSON, secrets masked, for the start-up log."""
+        return self.model_dump_json(indent=None)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
 
-from services.config import GrpcServerConfig, HttpServerConfig, ServiceConfig, StrictModel
+from services.config import (
+    GrpcServerConfig,
+    HttpServerConfig,
+    ServiceConfig,
+    SharedConfig,
+    StrictModel,
+)
 
 
 class SuiteConfig(StrictModel):
@@ -121,3 +127,9 @@ class EvalsConfig(ServiceConfig):
         if any(k < 1 or k > 1024 for k in ks):
             raise ValueError(f"pass_at_k: every k must be in [1, 1024], got {ks}")
         return sorted(set(ks))
+
+
+class EvalsProcessConfig(SharedConfig):
+    """What the evals process reads: the shared sections and ``[evals]``."""
+
+    evals: EvalsConfig = Field(default_factory=EvalsConfig, description="Evals service.")

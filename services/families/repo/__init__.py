@@ -33,7 +33,7 @@ from pydantic import Field, ValidationError
 
 from services.api.v1 import common_pb2
 from services.config import MIB, StrictModel
-from services.envs.families import TaskFamily
+from services.families import TaskFamily
 
 MAX_WORKSPACE_BYTES = 16 * MIB
 _SKIPPED_DIRS = {".git", "__pycache__", ".mypy_cache", ".pytest_cache", ".venv"}
