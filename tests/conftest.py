@@ -96,8 +96,9 @@ def write_config(
             f'http = {{ host = "127.0.0.1", port = {http_port} }}',
         ]
     lines += [
+        "[model]",
+        f'dir = "{model_dir}"',
         "[inference.engine]",
-        f'model_dir = "{model_dir}"',
         "max_model_len = 512",
         "max_num_seqs = 8",
         "cpu_kv_cache_gib = 0.25",

@@ -130,5 +130,12 @@ def test_the_inference_process_keeps_the_one_model_rule(tmp_path: Path) -> None:
     assert config.inference.engine.model_dir == Path("/m")
     # Without model.dir the trainer and envs would read the default: a second model.
     path.write_text('[inference.engine]\nmodel_dir = "/elsewhere"\n')
-    with pytest.raises(ValidationError, match=r"model\.dir .* name two models"):
+    with pytest.raises(ValueError, match=r"model\.dir .* name two models"):
         load_service_config(InferenceProcessConfig, path, environ={})
+    # Every process refuses it, not only the one that reads the inference section.
+    for service in SERVICE_NAMES:
+        with pytest.raises(ValueError, match=r"model\.dir \(\S+, its default\) and "):
+            load_service_config(PROCESS_CONFIGS[service], path, environ={})
+    # Repeating model.dir there is allowed.
+    path.write_text('[model]\ndir = "/m"\n[inference.engine]\nmodel_dir = "/m"\n')
+    assert load_service_config(PROCESS_CONFIGS["trainer"], path, environ={}).model.dir == Path("/m")

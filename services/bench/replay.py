@@ -173,7 +173,8 @@ def _config(path: Path, model_dir: Path, grpc_port: int, http_port: int, max_len
         f'[endpoints]\ninference = "127.0.0.1:{grpc_port}"\n'
         f'[inference]\ngrpc = {{ host = "127.0.0.1", port = {grpc_port} }}\n'
         f'http = {{ host = "127.0.0.1", port = {http_port} }}\n'
-        f'[inference.engine]\nmodel_dir = "{model_dir}"\nmax_model_len = {max_len}\n'
+        f'[model]\ndir = "{model_dir}"\n'
+        f"[inference.engine]\nmax_model_len = {max_len}\n"
         # bf16 on both sides, as deployed (the engine's "auto" is float32 on a CPU
         # without native bf16 GEMMs, which would make this a precision benchmark).
         'dtype = "bfloat16"\nmax_num_seqs = 16\ncpu_kv_cache_gib = 0.25\n'

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from services.config import SERVICE_NAMES, SharedConfig
+from services.config import DEFAULT_MODEL_DIR, SERVICE_NAMES, SharedConfig
 
 ENV_PREFIX = "ETUDE_"
 
@@ -79,8 +79,27 @@ def load_service_config(
     error, as in every config model.
     """
     data = read_config_data(path, environ)
+    _require_one_model(data)
     unread = set(DEPLOYMENT_SECTIONS) - set(model.model_fields)
     return model.model_validate({key: value for key, value in data.items() if key not in unread})
+
+
+def _require_one_model(data: Mapping[str, Any]) -> None:
+    """Every process refuses a file whose ``inference.engine.model_dir`` names another
+    model than ``model.dir`` (or its default): the trainer and envs, which do not read the
+    inference section, would otherwise start from the default without a word."""
+    engine = data.get("inference", {}).get("engine", {})
+    named = engine.get("model_dir") if isinstance(engine, Mapping) else None
+    if named is None:
+        return
+    model_dir = data.get("model", {}).get("dir")
+    directory = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
+    if Path(named) != directory:
+        default = "" if model_dir is not None else ", its default"
+        raise ValueError(
+            f"model.dir ({directory}{default}) and inference.engine.model_dir ({named}) "
+            "name two models; set model.dir only"
+        )
 
 
 def _toml_value(value: Any) -> str:
