@@ -5,7 +5,9 @@ reference itself (tiny model, float32) and its own distributed share, and checks
 
 * the step's loss (summed over ranks) and every parameter's gradient (gathered whole)
   equal the reference's within float32 tolerance;
-* a ``Learner.rl_step`` gives the reference's metrics and updated weights.
+* a ``Learner.rl_step`` gives the reference's metrics and updated weights;
+* so do two steps with Muon (matrices and expert stacks gathered and orthogonalized
+  whole, ``services.trainer.muon``).
 
 The batch has sequences of many lengths (none a multiple of 2 x cp, so context
 parallelism pads), replayed routes on most of them (some implausible, so the filter
@@ -33,6 +35,7 @@ from services.trainer.distributed.runtime import ProcessInfo, Runtime, start
 from services.trainer.learner import Learner
 from services.trainer.loss import policy_loss
 from services.trainer.model import Architecture, Qwen3MoE, token_logprobs
+from services.trainer.optim import muon_parameter
 from services.trainer.precision import PrecisionConfig
 from services.trainer.rollouts import SegmentTokens
 from services.wire.ports import free_port
@@ -123,15 +126,50 @@ def close(
     )
 
 
-def job_config() -> JobConfig:
+def job_config(optimizer: str = "adamw") -> JobConfig:
     return JobConfig.model_validate(
         {
             "phase": "rl",
             "model": {"compute_dtype": "float32", "experts_precision": "fp32"},
-            "optimizer": {"lr": 1e-2, "max_grad_norm": 0.5},
+            "optimizer": {"name": optimizer, "lr": 1e-2, "max_grad_norm": 0.5, "muon_lr": 1e-2},
             "rl": {"kl_coef": 0.0, "generation_budget_tokens": 60, "microbatch_tokens": 96},
         }
     )
+
+
+def check_muon(runtime: Runtime, microbatches: list[object]) -> None:
+    """Two Muon steps (hidden matrices and expert stacks orthogonalized whole, the rest on
+    AdamW) give the single-process weights."""
+    items = batch_items()
+    job = job_config("muon")
+    single = Learner(decisive_model(), job)
+    learner = Learner(
+        parallelize(decisive_model(), runtime.meshes, runtime.device), job, runtime=runtime
+    )
+    whole = [pack_microbatch(items, ARCH.num_layers, ARCH.top_k)]
+    for step in range(2):
+        single_metrics = single.rl_step(RLBatch(whole, 8, [], [], []), step)
+        metrics = learner.rl_step(RLBatch(microbatches, 8, [], [], []), step)  # type: ignore[arg-type]
+        assert metrics["loss"] == pytest.approx(single_metrics["loss"], rel=1e-4), step
+    single_weights = dict(single.model.named_parameters())
+    initial = dict(decisive_model().named_parameters())
+    for name, param in learner.model.named_parameters():
+        expected = single_weights[name].detach()
+        actual = param.full_tensor().detach()
+        if not muon_parameter(name, param):  # AdamW's, as in check_layout: within lr
+            close(actual, expected, 2 * job.optimizer.lr, 0.0, name)
+            continue
+        # Newton-Schulz runs in bfloat16 (torch's iteration) on updates whose float32
+        # gradients differ from the single process's in summation order only, so the
+        # steps agree to bfloat16 roundings of themselves: within 3 % of the step in norm
+        # and 5 % of its largest entry (measured over these layouts: at most 1.5 % and
+        # 2.2 %; the Newton-Schulz iteration amplifies bfloat16's 0.4 % rounding).
+        step = expected - initial[name].detach()
+        difference = actual - expected
+        assert float(step.norm()) > 0, name
+        relative = float(difference.norm() / step.norm())
+        assert relative < 0.03, f"{name}: the step is {relative:.2%} off in norm"
+        close(actual, expected, float(0.05 * step.abs().max()), 0.0, name)
 
 
 def check_layout(runtime: Runtime) -> None:
@@ -202,6 +240,7 @@ def check_layout(runtime: Runtime) -> None:
         partial += int((~full_step).sum())
         total += full_step.numel()
     assert partial < 0.1 * total, f"{partial} of {total} weights took less than a full step"
+    check_muon(runtime, microbatches)
 
 
 def _worker(rank: int, world_size: int, port: int, dp: int, cp: int, ep: int) -> None:

@@ -41,7 +41,8 @@ def test_a_loaded_checkpoint_continues_exactly(
     if optimizer == "muon":
         assert len(first.optimizers) == 2
         names = [n for n, p in first.model.named_parameters() if muon_parameter(n, p)]
-        assert names and all("self_attn" in n for n in names)
+        assert names and all("self_attn" in n or "mlp.experts" in n for n in names)
+        assert any("mlp.experts" in n for n in names)  # expert stacks too
     for step in range(2):
         first.sft_step([to_microbatch(_batch(step))], step)
     store = CheckpointStore(tmp_path / "ckpt")

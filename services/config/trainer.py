@@ -103,7 +103,8 @@ class ReplayConfig(StrictModel):
 
 
 class OptimizerConfig(StrictModel):
-    """AdamW, or Muon for 2-D hidden matrices with AdamW for the rest."""
+    """AdamW, or Muon for the hidden matrices (attention projections, expert stacks) with
+    AdamW for the rest."""
 
     name: Literal["adamw", "muon"] = Field("adamw", description="Optimizer family.")
     lr: float = Field(1e-6, gt=0, le=1, description="AdamW learning rate.")

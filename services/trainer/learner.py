@@ -61,11 +61,6 @@ class Learner:
         runtime: TrainerRuntime | None = None,
     ) -> None:
         self.runtime = runtime or LocalRuntime()
-        if self.runtime.world_size > 1 and job.optimizer.name == "muon":
-            raise ValueError(
-                "optimizer.name = 'muon' orthogonalizes whole matrices, which FSDP2 shards "
-                "over the ranks; use 'adamw' when the trainer is distributed"
-            )
         self.model = model
         self.job = job
         self.reference = reference

@@ -1,11 +1,13 @@
-"""Optimizers: AdamW, or Muon for 2-D hidden matrices and AdamW for the rest.
+"""Optimizers: AdamW, or Muon for the hidden matrices (experts included) and AdamW for
+the rest.
 
-Muon orthogonalizes the update of a weight matrix, which is meaningful for the
-hidden 2-D matrices (attention projections); embeddings, the output head, norms, the
-router and the 3-D expert tensors stay on AdamW (``torch.optim.Muon`` takes 2-D
-parameters only; the router and the vocabulary matrices are conventionally left to
-AdamW). The learning rate follows a linear warm-up, computed from the step number, so
-it needs no state of its own in checkpoints.
+Muon orthogonalizes the update of a weight matrix, which is meaningful for the hidden
+matrices: attention projections and every expert's matrices (a 3-D expert tensor is a
+stack of them, ``services.trainer.muon.MatrixMuon``); embeddings, the output head,
+norms, the router and the MTP heads stay on AdamW (the router and the vocabulary
+matrices are conventionally left to AdamW). Muon runs on sharded weights too: each
+matrix is orthogonalized whole (``MatrixMuon``). The learning rate follows a linear
+warm-up, computed from the step number, so it needs no state of its own in checkpoints.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import torch
 from torch import nn
 
 from services.config.trainer import OptimizerConfig
+from services.trainer.muon import MatrixMuon
 
 _ADAMW_ONLY_2D = ("embed_tokens", "lm_head", ".gate.", "mtp.")
 
 
 def muon_parameter(name: str, param: nn.Parameter) -> bool:
-    """Whether Muon (not AdamW) updates this parameter."""
-    return param.dim() == 2 and not any(part in f".{name}" for part in _ADAMW_ONLY_2D)
+    """Whether Muon (not AdamW) updates this parameter: a hidden matrix or a stack of
+    expert matrices."""
+    return param.dim() in (2, 3) and not any(part in f".{name}" for part in _ADAMW_ONLY_2D)
 
 
 def build_optimizers(model: nn.Module, config: OptimizerConfig) -> list[torch.optim.Optimizer]:
@@ -34,7 +38,7 @@ def build_optimizers(model: nn.Module, config: OptimizerConfig) -> list[torch.op
     optimizers: list[torch.optim.Optimizer] = []
     if matrices:
         optimizers.append(
-            torch.optim.Muon(
+            MatrixMuon(
                 matrices,
                 lr=config.muon_lr,
                 weight_decay=config.weight_decay,

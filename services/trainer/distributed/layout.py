@@ -117,11 +117,6 @@ def check_job(job: JobConfig, arch: Architecture, world_size: int) -> ParallelLa
             f"model.num_mtp_heads ({job.model.num_mtp_heads}) needs each sequence whole on one "
             f"rank; set it to 0 or dist.cp ({layout.cp}) to 1"
         )
-    if not layout.is_single_process and job.optimizer.name == "muon":
-        raise ValueError(
-            "optimizer.name = 'muon' orthogonalizes whole matrices, which FSDP2 shards over "
-            f"the {world_size} ranks; use 'adamw' when the trainer is distributed"
-        )
     return layout
 
 
