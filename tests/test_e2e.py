@@ -25,6 +25,7 @@ import redis
 
 from services.api.v1 import common_pb2
 from services.config import ObjectStoreConfig
+from services.evals.results import discover, read_record
 from services.launcher.observe import read_steps
 from services.objectstore import open_store
 from services.reconciler.store import run_prefix
@@ -253,4 +254,17 @@ def test_etude_run_trains_evaluates_reports_and_survives_kills(tmp_path: Path) -
         assert imread(report / image).size > 0
     for suite in summary["suites"]:
         assert suite["first_version"] == 0 and suite["last_version"] == MAX_STEPS, suite
+        assert suite["num_retried"] >= 0 and suite["num_left_out"] >= 0, suite
+    # Every eval record scores one version: each of its scored samples that version's alone.
+    store = open_store(ObjectStoreConfig(url=f"file://{state}/store"))
+    records = [
+        read_record(store, key)[0]
+        for versions in discover(store, run_name).values()
+        for key in versions.values()
+    ]
+    assert records
+    for record in records:
+        if record.num_rollouts:
+            sampled = (record.generated_by.min_version, record.generated_by.max_version)
+            assert sampled == (record.policy_version,) * 2, record
     assert "held-out" in output or "synthetic-heldout pass@1" in output
