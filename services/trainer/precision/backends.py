@@ -270,16 +270,20 @@ def agrees_with_emulation(backend: KernelBackend, device: torch.device) -> bool:
 
 @functools.cache
 def _auto_backend(device: torch.device) -> KernelBackend:
+    """The recipe's backend for ``device``, chosen once by capability (and said once)."""
+    backend: KernelBackend = EmulatedBackend()
     if BlackwellBackend.supports(device):
         candidate = BlackwellBackend()
         if agrees_with_emulation(candidate, device):
-            return candidate
-        warnings.warn(
-            f"{device} has FP4 tensor cores but the blackwell backend disagrees with the "
-            "exact emulation; using the emulation",
-            stacklevel=2,
-        )
-    return EmulatedBackend()
+            backend = candidate
+        else:
+            warnings.warn(
+                f"{device} has FP4 tensor cores but the blackwell backend disagrees with the "
+                "exact emulation; using the emulation",
+                stacklevel=2,
+            )
+    log.info("precision recipe on %s: the %s backend", device, backend.name)
+    return backend
 
 
 def select_backend(device: torch.device, name: BackendName = "auto") -> KernelBackend:
