@@ -178,7 +178,7 @@ def _value(cluster: Any, workload: str, index: int, name: str, **labels: str) ->
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_the_rendered_single_region_release_trains_scales_and_heals(host_root: Path) -> None:
     manifests = render_release(SINGLE_REGION, CPU_TINY)
     claims = {
@@ -195,7 +195,7 @@ def test_the_rendered_single_region_release_trains_scales_and_heals(host_root: P
         def every_pod_ready() -> bool:
             return all(p.process.ready for w in cluster.workloads for p in cluster.pods(w))
 
-        wait_for("every pod ready", every_pod_ready, 300, cluster.describe)
+        wait_for("every pod ready", every_pod_ready, 480, cluster.describe)
         # The trainer trains, inference follows the published versions, evals score one.
         wait_for("3 RL steps", lambda: step() >= 3, 300, cluster.describe)
         wait_for(
