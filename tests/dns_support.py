@@ -26,11 +26,13 @@ _NXDOMAIN = 3
 
 class Zone(asyncio.DatagramProtocol):
     """Answers A queries for the names in ``records``; no answer for other types of a
-    known name, NXDOMAIN for unknown names. ``queries`` counts the A queries per name."""
+    known name, NXDOMAIN for unknown names. ``queries`` counts the A queries per name,
+    ``misses`` the queries answered NXDOMAIN."""
 
     def __init__(self) -> None:
         self.records: dict[str, list[str]] = {}
         self.queries: dict[str, int] = {}
+        self.misses: dict[str, int] = {}
         self._lock = threading.Lock()
         self._transport: asyncio.DatagramTransport | None = None
 
@@ -56,6 +58,8 @@ class Zone(asyncio.DatagramProtocol):
             addresses = self.records.get(name)
             if qtype == _TYPE_A and addresses is not None:
                 self.queries[name] = self.queries.get(name, 0) + 1
+            elif addresses is None:
+                self.misses[name] = self.misses.get(name, 0) + 1
         answers = addresses if qtype == _TYPE_A and addresses else []
         rcode = _NXDOMAIN if addresses is None else 0
         # QR, AA, RD copied, RA; one question echoed.
@@ -70,19 +74,20 @@ class Zone(asyncio.DatagramProtocol):
 
 
 @contextmanager
-def serving_zone() -> Iterator[tuple[Zone, int]]:
-    """A Zone served on 127.0.0.1 from a thread of its own; yields it and its UDP port."""
+def serving_zone(host: str = "127.0.0.1", port: int = 0) -> Iterator[tuple[Zone, int]]:
+    """A Zone served on `host` (127.0.0.1; the emulated cluster's gateway address) from a
+    thread of its own; yields it and its UDP port (`port`, or a free one)."""
     loop = asyncio.new_event_loop()
     zone = Zone()
     ready = threading.Event()
-    port: list[int] = []
+    bound: list[int] = []
 
     def run() -> None:
         asyncio.set_event_loop(loop)
         transport, _ = loop.run_until_complete(
-            loop.create_datagram_endpoint(lambda: zone, local_addr=("127.0.0.1", 0))
+            loop.create_datagram_endpoint(lambda: zone, local_addr=(host, port))
         )
-        port.append(transport.get_extra_info("sockname")[1])
+        bound.append(transport.get_extra_info("sockname")[1])
         ready.set()
         loop.run_forever()
         transport.close()
@@ -91,7 +96,7 @@ def serving_zone() -> Iterator[tuple[Zone, int]]:
     thread.start()
     ready.wait(10)
     try:
-        yield zone, port[0]
+        yield zone, bound[0]
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)

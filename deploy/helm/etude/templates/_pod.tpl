@@ -26,7 +26,8 @@ grpc:
 {{- $ctx := .ctx -}}
 {{- $component := .component -}}
 {{- $values := index $ctx.Values $component -}}
-{{- $usesStore := has $component (list "envs" "inference" "trainer" "evals") -}}
+{{- /* The reconciler reads the task file of a jsonl feeder from the store (reconciler.feeder.key). */ -}}
+{{- $usesStore := has $component (list "reconciler" "envs" "inference" "trainer" "evals") -}}
 {{- $readsModel := has $component (list "envs" "inference" "trainer") -}}
 {{- $model := $ctx.Values.model -}}
 {{- if and $readsModel (not (hasPrefix (printf "%s/" (trimSuffix "/" $model.mountPath)) $model.dir)) -}}

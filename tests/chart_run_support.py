@@ -1,0 +1,142 @@
+"""Rendering the chart as `helm install -f A -f B` does and handing it to the emulated
+cluster (tests/cluster_support.py) with the volumes and Secrets a cluster would have."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import secrets
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tests.cluster_support import Cluster
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+import chart_check  # noqa: E402
+
+SINGLE_REGION = chart_check.CHART / "examples" / "single-region.yaml"
+CPU_TINY = chart_check.CHART / "ci" / "cpu-tiny.yaml"
+APP_UID = 10001
+
+
+def merge_values(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Helm's merge of two values files: maps deep-merged, anything else replaced."""
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_values(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def render_release(*files: Path, namespace: str = chart_check.NAMESPACE) -> list[dict[str, Any]]:
+    values: dict[str, Any] = {}
+    for path in files:
+        values = merge_values(values, chart_check.load_values(path))
+    return chart_check.render(values, namespace=namespace)
+
+
+def claim_dir(root: Path, name: str, uid: int = APP_UID) -> Path:
+    """A bound volume: a host directory the pods' user owns."""
+    path = root / "claims" / name
+    path.mkdir(parents=True, exist_ok=True)
+    os.chown(path, uid, uid)
+    return path
+
+
+def wait_for(
+    what: str, check: Callable[[], bool], timeout_s: float, describe: Callable[[], str]
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{describe()}")
+        time.sleep(0.5)
+
+
+def metrics(address: str, port: int) -> str:
+    """A pod's /metrics, read over the pod network."""
+    with urllib.request.urlopen(f"http://{address}:{port}/metrics", timeout=5) as answer:
+        text: str = answer.read().decode()
+    return text
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """The sum of the samples of `name` whose labels include `labels`."""
+    found = None
+    for line in text.splitlines():
+        if not line.startswith(name) or line[len(name) : len(name) + 1] not in ("{", " "):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            found = (found or 0.0) + float(value)
+    return found
+
+
+@contextlib.contextmanager
+def running(
+    manifests: list[dict[str, Any]],
+    root: Path,
+    claims: dict[str, Path],
+    token: str | None = None,
+) -> Iterator[Cluster]:
+    """The manifests running; the token Secret the example names exists (as
+    `kubectl create secret generic etude-token --from-literal=token=...` makes it)."""
+    token = token or secrets.token_hex(16)
+    cluster = Cluster(
+        manifests,
+        root=root / "cluster",
+        namespace=chart_check.NAMESPACE,
+        secrets={"etude-token": {"token": token}},
+        claims=claims,
+    )
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def store_claim(root: Path, num_tasks: int = 200) -> Path:
+    """The bucket's claim (objectStore.fileClaim) holding the task file the example's jsonl
+    feeder reads, as `etude tasks export --key tasks/train.jsonl` writes it."""
+    from google.protobuf import json_format
+
+    from services.config import ObjectStoreConfig
+    from services.config.reconciler import FeederConfig
+    from services.objectstore import open_store
+    from services.reconciler.feeders import build_feeder
+
+    path = claim_dir(root, "etude-store")
+    feeder = build_feeder(
+        FeederConfig(kind="generator", generator="services.families.synthetic:task_at")
+    )
+    text = "".join(
+        json_format.MessageToJson(task, indent=None) + "\n"
+        for task in feeder.tasks_from(0, num_tasks)
+    )
+    open_store(ObjectStoreConfig(url=f"file://{path}")).put("tasks/train.jsonl", text.encode())
+    _give_to_app(path)
+    return path
+
+
+def model_claim(root: Path) -> Path:
+    """The model claim: the tiny model at model.dir (/models/etude) under its mount."""
+    from services.model_factory.build import init_model
+
+    path = claim_dir(root, "etude-models")
+    init_model("tiny", path / "etude", seed=0)
+    _give_to_app(path)
+    return path
+
+
+def _give_to_app(path: Path) -> None:
+    for child in [path, *path.rglob("*")]:
+        os.chown(child, APP_UID, APP_UID)

@@ -1,0 +1,249 @@
+"""The rendered chart runs (issue #31): `examples/single-region.yaml` with `ci/cpu-tiny.yaml`
+rendered by Helm and every workload run as a kubelet would (tests/cluster_support.py).
+
+The fast tests show that the emulator fails on what a cluster would fail on: each takes
+the rendered reconciler and Redis, breaks one port, Service name, env var, mount path or
+probe, and asserts the emulator reports it. The slow test runs the whole release.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.chart_run_support import (
+    CPU_TINY,
+    SINGLE_REGION,
+    chart_check,
+    claim_dir,
+    metric_value,
+    metrics,
+    model_claim,
+    render_release,
+    running,
+    store_claim,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration]
+
+Manifests = list[dict[str, Any]]
+
+
+@pytest.fixture
+def host_root() -> Iterator[Path]:
+    """The emulator's host directory, outside /tmp (pods mount their own /tmp)."""
+    root = Path("/var/tmp") / f"et-{uuid.uuid4().hex[:8]}"
+    root.mkdir()
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def reconciler_and_redis() -> Manifests:
+    """The rendered release cut to the reconciler, Redis and what they read."""
+    manifests = render_release(SINGLE_REGION, CPU_TINY)
+    kept = []
+    for manifest in manifests:
+        component = manifest["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+        config = manifest["kind"] == "ConfigMap" and "config.toml" in manifest.get("data", {})
+        workload = manifest["kind"] in ("Service", "Deployment", "StatefulSet")
+        if config or (workload and component in ("reconciler", "redis")):
+            kept.append(manifest)
+    chart_check.find(kept, "Deployment", "etude-reconciler")["spec"]["replicas"] = 1
+    return kept
+
+
+def container(manifests: Manifests, kind: str, name: str) -> dict[str, Any]:
+    spec: dict[str, Any] = chart_check.find(manifests, kind, name)["spec"]["template"]["spec"]
+    return spec["containers"][0]  # type: ignore[no-any-return]
+
+
+def test_emulator_runs_the_rendered_reconciler_and_redis(host_root: Path) -> None:
+    manifests = reconciler_and_redis()
+    with running(manifests, host_root, {"etude-store": store_claim(host_root)}) as cluster:
+        assert cluster.problems == []
+        wait_for(
+            "reconciler and redis ready",
+            lambda: all(p.process.ready for w in cluster.workloads for p in cluster.pods(w)),
+            60,
+            cluster.describe,
+        )
+        assert cluster.all_problems() == [], cluster.all_problems()
+
+
+def _wrong_container_port(manifests: Manifests) -> None:
+    ports = container(manifests, "Deployment", "etude-reconciler")["ports"]
+    ports[0]["containerPort"] += 10
+
+
+def _wrong_target_port(manifests: Manifests) -> None:
+    service = chart_check.find(manifests, "Service", "etude-redis")
+    service["spec"]["ports"][0]["targetPort"] = "redis-server"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (_wrong_container_port, "port 50051 maps to 50061"),
+        (_wrong_target_port, "targetPort 'redis-server' is no containerPort"),
+    ],
+    ids=["container-port", "target-port"],
+)
+def test_emulator_refuses_services_that_miss_their_pods(
+    mutate: Callable[[Manifests], None], expected: str, host_root: Path
+) -> None:
+    from tests.cluster_support import Cluster
+
+    manifests = copy.deepcopy(reconciler_and_redis())
+    mutate(manifests)
+    cluster = Cluster(manifests, root=host_root, namespace="etude", secrets={}, claims={})
+    assert any(expected in problem for problem in cluster.problems), cluster.problems
+
+
+def _missing_secret_key(manifests: Manifests) -> None:
+    env = container(manifests, "Deployment", "etude-reconciler")["env"]
+    env[0]["valueFrom"]["secretKeyRef"]["key"] = "tokn"
+
+
+def _wrong_mount_path(manifests: Manifests) -> None:
+    mounts = container(manifests, "Deployment", "etude-reconciler")["volumeMounts"]
+    mounts[0]["mountPath"] = "/etc/etude/run.toml"
+
+
+def _probe_on_closed_port(manifests: Manifests) -> None:
+    probe = container(manifests, "Deployment", "etude-reconciler")["readinessProbe"]
+    probe["grpc"]["port"] = 50059
+
+
+def _wrong_service_name(manifests: Manifests) -> None:
+    chart_check.find(manifests, "Service", "etude-redis")["metadata"]["name"] = "etude-redis-0"
+
+
+def _wrong_env_name(manifests: Manifests) -> None:
+    env = container(manifests, "Deployment", "etude-reconciler")["env"]
+    env[0]["name"] = "ETUDE_AUTH_TOKEN"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (_missing_secret_key, "env ETUDE_AUTH__TOKEN: secret 'etude-token' has no key 'tokn'"),
+        (_wrong_mount_path, "exited"),
+        (_probe_on_closed_port, "readiness probe failed"),
+        (_wrong_service_name, "looked up 'etude-redis'"),
+        (_wrong_env_name, "exited"),
+    ],
+    ids=["secret-key", "mount-path", "probe-port", "service-name", "env-name"],
+)
+def test_a_broken_reconciler_never_turns_ready_and_says_why(
+    mutate: Callable[[Manifests], None], expected: str, host_root: Path
+) -> None:
+    manifests = copy.deepcopy(reconciler_and_redis())
+    mutate(manifests)
+    with running(manifests, host_root, {"etude-store": store_claim(host_root)}) as cluster:
+        (pod,) = cluster.pods("etude-reconciler")
+        wait_for(
+            f"the emulator reports {expected!r}",
+            lambda: expected in "\n".join(cluster.all_problems() + pod.process.events),
+            40,
+            lambda: f"{cluster.describe()}\n{pod.process.log().read_text(errors='replace')[-3000:]}"
+            if pod.process.log().exists()
+            else cluster.describe(),
+        )
+        assert not pod.process.ready
+
+
+# -- the whole release -----------------------------------------------------------------
+
+HTTP_PORTS = {"reconciler": 9101, "envs": 9102, "inference": 9103, "trainer": 9104, "evals": 9105}
+
+
+def _value(cluster: Any, workload: str, index: int, name: str, **labels: str) -> float:
+    pod = cluster.pods(workload)[index]
+    component = workload.removeprefix("etude-")
+    try:
+        text = metrics(pod.ip, HTTP_PORTS[component])
+    except OSError:
+        return -1.0
+    found = metric_value(text, name, **labels)
+    return -1.0 if found is None else found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_rendered_single_region_release_trains_scales_and_heals(host_root: Path) -> None:
+    manifests = render_release(SINGLE_REGION, CPU_TINY)
+    claims = {
+        "etude-store": store_claim(host_root),
+        "etude-models": model_claim(host_root),
+        "etude-checkpoints": claim_dir(host_root, "etude-checkpoints"),
+    }
+    with running(manifests, host_root, claims) as cluster:
+        assert cluster.problems == [], cluster.problems
+
+        def step() -> float:
+            return _value(cluster, "etude-trainer", 0, "etude_trainer_step")
+
+        def every_pod_ready() -> bool:
+            return all(p.process.ready for w in cluster.workloads for p in cluster.pods(w))
+
+        wait_for("every pod ready", every_pod_ready, 480, cluster.describe)
+        # The trainer trains, inference follows the published versions, evals score one.
+        wait_for("3 RL steps", lambda: step() >= 3, 300, cluster.describe)
+        wait_for(
+            "inference serves a trained version",
+            lambda: _value(cluster, "etude-inference", 0, "etude_inference_serving_version") >= 1,
+            120,
+            cluster.describe,
+        )
+        wait_for(
+            "evals scored a version",
+            lambda: _value(cluster, "etude-evals", 0, "etude_evals_version") >= 0,
+            180,
+            cluster.describe,
+        )
+
+        # kubectl scale: a second envs worker and a second inference replica mid-run.
+        cluster.scale("etude-envs", 2)
+        cluster.scale("etude-inference", 2)
+        at_scale = step()
+        wait_for("the new replicas ready", every_pod_ready, 240, cluster.describe)
+        wait_for(
+            "the new inference replica serves generations",
+            lambda: _value(
+                cluster, "etude-inference", 1, "grpc_server_handled_total", grpc_method="Generate"
+            )
+            > 0,
+            120,
+            cluster.describe,
+        )
+        wait_for(
+            "the new envs worker finishes rollouts",
+            lambda: _value(cluster, "etude-envs", 1, "etude_envs_rollouts_total") > 0,
+            120,
+            cluster.describe,
+        )
+        wait_for("steps advance after scaling", lambda: step() > at_scale, 180, cluster.describe)
+
+        # A pod's process dies (SIGKILL): it is restarted and the run goes on.
+        (victim, *_) = cluster.pods("etude-envs")
+        victim.process.kill()
+        wait_for(
+            "the killed pod restarted", lambda: victim.process.restarts >= 1, 60, cluster.describe
+        )
+        wait_for("the killed pod ready again", lambda: victim.process.ready, 120, cluster.describe)
+        after_kill = step()
+        wait_for("steps advance after the kill", lambda: step() > after_kill, 180, cluster.describe)
+
+        # Nothing lost: no slot died, no pod reported a problem.
+        dead = _value(cluster, "etude-reconciler", 0, "etude_reconciler_dead_slots_total")
+        assert dead <= 0, dead
+        assert cluster.all_problems() == [], cluster.all_problems()
