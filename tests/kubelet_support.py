@@ -277,6 +277,17 @@ def container_command(
     if uid:
         lines += _interpreter_lines(ctx.root / "interpreter")
     mounts = sorted(container.get("volumeMounts", []), key=lambda m: m["mountPath"].count("/"))
+    # The image's code: where a volume covers the repository (a checkout under /tmp, which
+    # the pod mounts an emptyDir over), it is moved back on top afterwards, as the image's
+    # files would stay visible beside the pod's /tmp.
+    covers_repo = any(
+        Path(mount["mountPath"]) in (REPO, *REPO.parents) and Path(mount["mountPath"]) != Path("/")
+        for mount in mounts
+    )
+    repo_stage = ctx.root / "repository"
+    if covers_repo:
+        repo_stage.mkdir(parents=True, exist_ok=True)
+        lines.append(f"mount --bind {shlex.quote(str(REPO))} {shlex.quote(str(repo_stage))}")
     for mount in mounts:
         if mount["name"] not in volumes:
             raise PodError(f"volumeMount {mount['mountPath']}: no volume {mount['name']!r}")
@@ -292,6 +303,9 @@ def container_command(
             lines.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(str(target))}")
         if mount.get("readOnly"):
             lines.append(f"mount -o remount,bind,ro {shlex.quote(str(target))}")
+    if covers_repo:
+        lines.append(f"mkdir -p {shlex.quote(str(REPO))}")
+        lines.append(f"mount --move {shlex.quote(str(repo_stage))} {shlex.quote(str(REPO))}")
     if security.get("readOnlyRootFilesystem"):
         lines.append("mount -o remount,bind,ro /")
     lines.append(f"cd {shlex.quote(container.get('workingDir', image.workdir))}")
