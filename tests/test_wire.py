@@ -16,14 +16,21 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
-from services.api.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from services.api.v1 import (
+    common_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
 from services.config.deployment import load_config
 from services.trainer.service import TrainerService
 from services.wire import ports as ports_module
 from services.wire.client import make_channel
 from services.wire.errors import InvalidArgument, NotFound
+from services.wire.interceptors import HANDED_BACK
 from services.wire.ports import ephemeral_start, free_port, free_ports, service_ports
-from services.wire.server import build_server, make_service
+from services.wire.server import build_server, make_service, serve
 from services.wire.service import Service
 
 TOKEN = "in-process-token"
@@ -72,7 +79,7 @@ def _config(port: int, **extra: str):  # type: ignore[no-untyped-def]
 @pytest.fixture
 async def faulty() -> AsyncIterator[str]:
     port = free_port()
-    server, _, _ = build_server(make_service(_FaultyService, _config(port)), None)
+    server = build_server(make_service(_FaultyService, _config(port)), None).server
     await server.start()
     yield f"127.0.0.1:{port}"
     await server.stop(0)
@@ -182,12 +189,12 @@ async def test_trace_propagates_between_two_in_process_servers() -> None:
     # The downstream: a real TrainerService server standing in as "reconciler" for the upstream.
     downstream_config = _config(downstream_port)
     downstream = make_service(TrainerService, downstream_config, provider)
-    downstream_server, downstream_health, _ = build_server(downstream, provider)
+    downstream_server, downstream_health, _, _ = build_server(downstream, provider)
     upstream_config = _config(
         upstream_port, ETUDE_ENDPOINTS__RECONCILER=f"127.0.0.1:{downstream_port}"
     )
     upstream = make_service(TrainerService, upstream_config, provider)
-    upstream_server, _, _ = build_server(upstream, provider)
+    upstream_server = build_server(upstream, provider).server
     await downstream_server.start()
     await upstream_server.start()
     await downstream_health.set("readiness", 1)  # SERVING
@@ -329,3 +336,96 @@ async def test_supervised_loops_are_restarted_and_reported(
     assert supervisor.fault() is None
     await supervisor.stop()
     assert supervisor.names == []
+
+
+class _Lingering(
+    inference_pb2_grpc.InferenceServiceServicer, trainer_pb2_grpc.TrainerServiceServicer
+):
+    """Calls that outlast a shutdown's grace, and one that finishes within it."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()  # lets the quick call finish
+        self.started = 0
+        self.all_started = asyncio.Event()
+        self.cleaned_up: list[str] = []
+
+    def _start(self) -> None:
+        self.started += 1
+        if self.started == 3:
+            self.all_started.set()
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        self._start()
+        quick = request.prompt_token_ids[0] == 1
+        yield inference_pb2.GenerateResponse(token_ids=[7])
+        try:
+            await (self.release.wait() if quick else asyncio.sleep(3600))
+        finally:
+            self.cleaned_up.append("quick" if quick else "stream")
+        yield inference_pb2.GenerateResponse(token_ids=[8], finish_reason=1)
+
+    async def GetStatus(
+        self, request: common_pb2.StatusRequest, context: aio.ServicerContext
+    ) -> common_pb2.ServiceInfo:
+        self._start()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            self.cleaned_up.append("unary")
+        return common_pb2.ServiceInfo()
+
+
+async def test_calls_still_running_at_shutdown_are_handed_back_unavailable() -> None:
+    """SIGTERM with calls in flight: one that finishes within grpc.shutdown_grace_s ends
+    OK; a stream and a unary call still running then end UNAVAILABLE (which callers
+    retry elsewhere), not CANCELLED, their handlers cleaned up, and the server stops."""
+    servicer = _Lingering()
+
+    class _LingeringService(Service):
+        name = "trainer"
+
+        def register(self, server: aio.Server) -> list[str]:
+            inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+            trainer_pb2_grpc.add_TrainerServiceServicer_to_server(servicer, server)
+            return ["etude.v1.InferenceService", "etude.v1.TrainerService"]
+
+    port = free_port()
+    config = _config(port, ETUDE_TRAINER__GRPC__SHUTDOWN_GRACE_S="0.5")
+    stop = asyncio.Event()
+    listening = asyncio.Event()
+    serving = asyncio.create_task(
+        serve(make_service(_LingeringService, config), stop=stop, on_listening=listening.set)
+    )
+    await listening.wait()
+    before = _counter("GetStatus", "UNAVAILABLE")
+
+    async def read(stream: aio.UnaryStreamCall) -> list[int]:
+        return [token async for response in stream for token in response.token_ids]
+
+    async with make_channel(f"127.0.0.1:{port}", token=TOKEN) as channel:
+        generate = inference_pb2_grpc.InferenceServiceStub(channel).Generate
+        quick = generate(inference_pb2.GenerateRequest(prompt_token_ids=[1]))
+        lingering = generate(inference_pb2.GenerateRequest(prompt_token_ids=[2]))
+        quick_tokens = asyncio.create_task(read(quick))
+        lingering_tokens = asyncio.create_task(read(lingering))
+        unary = asyncio.ensure_future(
+            trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(common_pb2.StatusRequest())
+        )
+        await servicer.all_started.wait()
+        stop.set()
+        await asyncio.sleep(0.1)
+        servicer.release.set()
+        assert await quick_tokens == [7, 8]
+        with pytest.raises(aio.AioRpcError) as handed_back:
+            await lingering_tokens  # past its first response: a stream is not retried
+        assert handed_back.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert handed_back.value.details() == HANDED_BACK
+        # The unary call is retried by the channel's policy, here into a closed port.
+        with pytest.raises(aio.AioRpcError) as retried:
+            await unary
+        assert retried.value.code() == grpc.StatusCode.UNAVAILABLE
+    await asyncio.wait_for(serving, 10)
+    assert sorted(servicer.cleaned_up) == ["quick", "stream", "unary"]
+    assert await _counted("GetStatus", "UNAVAILABLE", before + 1) - before == 1

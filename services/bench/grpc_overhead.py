@@ -63,7 +63,7 @@ async def _measure(num_calls: int) -> tuple[dict[str, float], dict[str, float]]:
     )
     tracer_provider = TracerProvider()
     service = make_service(TrainerService, config, tracer_provider)
-    plumbed, _, _ = build_server(service, tracer_provider)
+    plumbed = build_server(service, tracer_provider).server
     bare = aio.server()
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(service), bare)  # type: ignore[arg-type]
     bare.add_insecure_port(f"127.0.0.1:{bare_port}")

@@ -11,16 +11,24 @@ parsed, and a body that does not parse is INVALID_ARGUMENT with a short message
 and a rate-limited WARNING (``services.wire.requests``), never UNKNOWN with a
 traceback. Request-streaming methods (only server reflection has one) are parsed
 by gRPC as before.
+
+``ObservedCalls`` also knows the calls in flight, for a replica's shutdown
+(``services.wire.server``): ``hand_back(grace_s)`` lets them finish for ``grace_s``
+and then ends those still running with UNAVAILABLE, which callers retry on another
+replica. Left to gRPC, a call still running when ``server.stop``'s grace runs out is
+cancelled, and its caller reads CANCELLED, which nothing retries.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -156,8 +164,23 @@ class BearerTokenAuth(aio.ServerInterceptor):
         return _replace_behavior(handler, deny_unary, deny_streaming, raw_request=True)
 
 
+HANDED_BACK = "this replica is shutting down and handed the call back: retry it on another"
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """One call being handled: the task that runs it, and where that task is."""
+
+    task: asyncio.Task[Any]
+    # False while a streaming call has yielded a response and gRPC is sending it: the
+    # task is in gRPC's code then, where a cancellation would end the call CANCELLED.
+    in_handler: bool = True
+    handed_back: bool = False
+
+
 class ObservedCalls(aio.ServerInterceptor):
-    """Maps ServiceError to its status, logs unexpected errors, counts and times every call.
+    """Maps ServiceError to its status, logs unexpected errors, counts and times every call,
+    and hands back the calls still running at shutdown (``hand_back``).
 
     `classify` lets a service name faults it expects (a dependency down) as a
     ServiceError; anything left unclassified is a bug and answers INTERNAL.
@@ -166,6 +189,49 @@ class ObservedCalls(aio.ServerInterceptor):
     def __init__(self, classify: Callable[[Exception], ServiceError | None] | None = None) -> None:
         self._classify = classify or (lambda error: None)
         self._bad_bodies = RateLimitedLog(log)
+        self._in_flight: set[_InFlight] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def hand_back(self, grace_s: float) -> int:
+        """Waits up to `grace_s` for the calls in flight to finish, then ends each one
+        still running with UNAVAILABLE (HANDED_BACK); returns how many it ended.
+
+        A call inside its handler is cancelled there (a generation's engine request is
+        aborted as on a caller's cancel) and answers UNAVAILABLE; a streaming call whose
+        response gRPC is sending answers it once the send is done."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        calls = list(self._in_flight)
+        for call in calls:
+            call.handed_back = True
+            if call.in_handler:
+                call.task.cancel()
+        if calls:
+            log.warning(
+                "%d call(s) still running %.1f s after shutdown began: handed back UNAVAILABLE",
+                len(calls),
+                grace_s,
+            )
+        return len(calls)
+
+    def _enter(self) -> _InFlight:
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - gRPC runs every call in a task
+            raise RuntimeError("a call handled outside a task")
+        call = _InFlight(task)
+        self._in_flight.add(call)
+        self._idle.clear()
+        return call
+
+    def _leave(self, call: _InFlight) -> None:
+        self._in_flight.discard(call)
+        if not self._in_flight:
+            self._idle.set()
 
     async def intercept_service(
         self,
@@ -209,10 +275,15 @@ class ObservedCalls(aio.ServerInterceptor):
                 return code
             return default
 
+        async def answer_handed_back(call: _InFlight, context: aio.ServicerContext) -> None:
+            call.task.uncancel()  # the cancel was ours, and is answered here
+            await context.abort(grpc.StatusCode.UNAVAILABLE, HANDED_BACK)
+
         async def unary(request: Any, context: aio.ServicerContext) -> Any:
             STARTED.labels(*labels).inc()
             started = time.perf_counter()
             code = grpc.StatusCode.OK
+            call = self._enter()
             try:
                 result = behavior(decode(request), context)
                 if inspect.isawaitable(result):
@@ -223,39 +294,62 @@ class ObservedCalls(aio.ServerInterceptor):
                 code = code_of(context, grpc.StatusCode.UNKNOWN)
                 raise
             except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
+                if not call.handed_back:
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                code = grpc.StatusCode.UNAVAILABLE
+                await answer_handed_back(call, context)
             except Exception as error:
                 code = status_of(error)
                 await fail(context, error)
             finally:
+                self._leave(call)
                 finish(started, code)
 
         async def streaming(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
             STARTED.labels(*labels).inc()
             started = time.perf_counter()
             code = grpc.StatusCode.OK
+            call = self._enter()
+            result: Any = None
             try:
                 result = behavior(decode(request), context)
                 if hasattr(result, "__aiter__"):
                     async for item in result:
+                        call.in_handler = False
                         yield item
+                        call.in_handler = True
+                        if call.handed_back:  # while gRPC sent `item`
+                            raise asyncio.CancelledError
                 elif inspect.isawaitable(result):  # a coroutine that uses context.write
                     await result
                 else:
                     for item in result:
+                        call.in_handler = False
                         yield item
+                        call.in_handler = True
+                        if call.handed_back:
+                            raise asyncio.CancelledError
                 code = code_of(context, grpc.StatusCode.OK)
             except aio.AbortError:
                 code = code_of(context, grpc.StatusCode.UNKNOWN)
                 raise
-            except (GeneratorExit, asyncio.CancelledError):
+            except GeneratorExit:  # gRPC closed the stream: the caller went away
                 code = grpc.StatusCode.CANCELLED
                 raise
+            except asyncio.CancelledError:
+                if not call.handed_back:
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                code = grpc.StatusCode.UNAVAILABLE
+                if hasattr(result, "aclose"):
+                    await result.aclose()
+                await answer_handed_back(call, context)
             except Exception as error:
                 code = status_of(error)
                 await fail(context, error)
             finally:
+                self._leave(call)
                 finish(started, code)
 
         return _replace_behavior(handler, unary, streaming, raw_request=True)

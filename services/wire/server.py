@@ -14,6 +14,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable
+from typing import NamedTuple
 
 import grpc
 from grpc import aio
@@ -66,16 +67,27 @@ def _traced(details: grpc.HandlerCallDetails) -> bool:
     return any(key == "traceparent" for key, _ in details.invocation_metadata or ())
 
 
-def build_server(
-    service: Service, tracer_provider: TracerProvider | None
-) -> tuple[aio.Server, health.aio.HealthServicer, list[str]]:
+# How long calls handed back at shutdown get to send their UNAVAILABLE (they take
+# milliseconds); gRPC cancels any call still running after that.
+HAND_BACK_S = 5.0
+
+
+class BuiltServer(NamedTuple):
+    server: aio.Server
+    health: health.aio.HealthServicer
+    names: list[str]  # the service's own gRPC service names
+    calls: ObservedCalls  # the calls in flight, handed back at shutdown
+
+
+def build_server(service: Service, tracer_provider: TracerProvider | None) -> BuiltServer:
     """The aio server of `service`, with every shared interceptor and servicer added."""
     settings = service.settings.grpc
     token = service.config.auth.token
     _quiet_cancelled_streams()
+    calls = ObservedCalls(service.classify_error)
     interceptors: list[aio.ServerInterceptor] = [
         aio_server_interceptor(tracer_provider=tracer_provider, filter_=_traced),
-        ObservedCalls(service.classify_error),
+        calls,
     ]
     if token is not None:
         interceptors.append(BearerTokenAuth(token.get_secret_value()))
@@ -107,7 +119,7 @@ def build_server(
         server.add_secure_port(address, credentials)
     else:
         server.add_insecure_port(address)
-    return server, health_servicer, names
+    return BuiltServer(server, health_servicer, names, calls)
 
 
 async def _monitor_readiness(
@@ -156,7 +168,7 @@ async def serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(RuntimeError, ValueError):  # not the main thread (tests)
             loop.add_signal_handler(signum, stop.set)
-    server, health_servicer, names = build_server(service, tracer_provider)
+    server, health_servicer, names, calls = build_server(service, tracer_provider)
     await server.start()
     for name in ("", LIVENESS):
         await health_servicer.set(name, SERVING)
@@ -202,7 +214,11 @@ async def serve(
         log.info("%s shutting down", service.name)
         service.readiness = Readiness(False, "shutting down")
         await health_servicer.enter_graceful_shutdown()
-        await server.stop(settings.grpc.shutdown_grace_s)
+        # New calls are refused at once (GOAWAY); those in flight get the grace to
+        # finish, and the rest are handed back UNAVAILABLE so their callers retry.
+        stopping = asyncio.create_task(server.stop(settings.grpc.shutdown_grace_s + HAND_BACK_S))
+        await calls.hand_back(settings.grpc.shutdown_grace_s)
+        await stopping
         stop.set()  # lets the HTTP side finish on its own
         for task in pending:
             if task.get_name() != "http":
