@@ -167,7 +167,7 @@ class Cluster:
             labels["statefulset.kubernetes.io/pod-name"] = name
             subdomain = spec.get("serviceName")
         else:
-            name = f"{meta['name']}-{random.getrandbits(24):06x}"
+            name = f"{meta['name']}-{random.SystemRandom().getrandbits(24):06x}"
         netns, ip = self.network.add_pod(name, name, subdomain)
         root = self.root / "pods" / name
         root.mkdir(parents=True, exist_ok=True)

@@ -27,8 +27,22 @@ CLUSTER_DOMAIN = "cluster.local"
 NETNS_ETC = Path("/etc/netns")
 
 
+# Names and subnets are drawn from the OS, not the `random` module: in-process training
+# jobs seed it (services/trainer/job.py), and two networks drawn after the same seed got
+# the same prefix, so a veth of the first, whose namespace the kernel was still tearing
+# down, made the second's "ip link add" fail.
+_draw = random.SystemRandom()
+
+
+class IpCommandError(subprocess.CalledProcessError):
+    def __str__(self) -> str:
+        return f"{super().__str__()}: {(self.stderr or '').strip()}"
+
+
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise IpCommandError(done.returncode, done.args, done.stdout, done.stderr)
 
 
 def _used_subnets() -> list[ipaddress.IPv4Network]:
@@ -46,11 +60,11 @@ class PodNetwork:
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
-        self.prefix = f"et{random.getrandbits(16):04x}"
+        self.prefix = f"et{_draw.getrandbits(16):04x}"
         used = _used_subnets()
         while True:
             subnet = ipaddress.ip_network(
-                f"10.{random.randrange(64, 250)}.{random.randrange(1, 250)}.0/24"
+                f"10.{_draw.randrange(64, 250)}.{_draw.randrange(1, 250)}.0/24"
             )
             if not any(subnet.overlaps(other) for other in used):
                 break

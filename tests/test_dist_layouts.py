@@ -264,6 +264,7 @@ def spawn(world_size: int, dp: int, cp: int, ep: int) -> None:
     [(2, 1, 1), (1, 2, 1), (2, 1, 2)],
     ids=["dp2", "cp2", "ep2"],
 )
+@pytest.mark.slow
 def test_two_process_layouts_match_one_process(dp: int, cp: int, ep: int) -> None:
     spawn(2, dp, cp, ep)
 

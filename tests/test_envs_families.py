@@ -155,6 +155,7 @@ def test_humaneval_canonical_solutions_score_164_of_164(workspaces: Workspaces) 
     assert sum(r.score for r in results) == 164
 
 
+@pytest.mark.slow
 def test_humaneval_empty_and_wrong_solutions_score_zero(workspaces: Workspaces) -> None:
     family = load_family("humaneval")
     tasks = family.tasks("heldout")

@@ -67,6 +67,7 @@ def test_file_tools_edit_a_forked_workspace(workspaces: Workspaces) -> None:
     assert tools.state.written == {"solution.py", "pkg/util.py"}
 
 
+@pytest.mark.slow
 def test_tools_refuse_escapes_and_report_errors(workspaces: Workspaces) -> None:
     tools = make_tools(workspaces)
     assert "outside the workspace" in call(tools, "read_file", path="../../etc/passwd")

@@ -196,7 +196,7 @@ async def envs_server() -> AsyncIterator[tuple[str, envs_pb2_grpc.EnvServiceStub
             "ETUDE_ENVS__WORKSPACES_DIR": str(workspaces),
         },
     )
-    server, _, _ = build_server(make_service(EnvsService, config), None)
+    server = build_server(make_service(EnvsService, config), None).server
     await server.start()
     target = f"127.0.0.1:{port}"
     async with make_channel(target, token=TOKEN) as channel:

@@ -137,6 +137,7 @@ def test_a_program_that_sleeps_past_its_limit_twice_scores_zero(workspaces: Work
     assert time.perf_counter() - started < 1 + sandbox_module.JUDGE_WALL_FACTOR + 10
 
 
+@pytest.mark.slow
 def test_a_starved_innocent_program_is_the_hosts_fault(workspaces: Workspaces) -> None:
     # 0.6 CPU-seconds of work under a 1 s limit: it fits, unless the host starves it.
     source = (

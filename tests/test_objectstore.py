@@ -116,6 +116,7 @@ def test_multipart_upload_is_used_and_atomic(moto_endpoint: str) -> None:
     assert not uploads.get("Uploads")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["throttle", "drop"])
 def test_throttling_and_dropped_connections_are_retried(moto_endpoint: str, mode: str) -> None:
     bucket = make_bucket(moto_endpoint)

@@ -69,6 +69,7 @@ def container(manifests: Manifests, kind: str, name: str) -> dict[str, Any]:
     return spec["containers"][0]  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 def test_emulator_runs_the_rendered_reconciler_and_redis(host_root: Path) -> None:
     manifests = reconciler_and_redis()
     with running(manifests, host_root, {"etude-store": store_claim(host_root)}) as cluster:

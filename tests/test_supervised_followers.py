@@ -194,6 +194,7 @@ async def test_a_broken_follower_turns_readiness_off_and_resumes_from_its_versio
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.slow
 async def test_an_unreadable_latest_pointer_is_a_fault_until_repaired(
     polling_replica: Replica,
 ) -> None:

@@ -180,6 +180,7 @@ def _run(
     return [surviving[s] for s in sorted(surviving)], weights, tasks, states
 
 
+@pytest.mark.slow
 def test_a_killed_trainer_resumes_exactly(
     tiny_model: Path, samples: list[Sample], tmp_path: Path
 ) -> None:

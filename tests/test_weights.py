@@ -321,6 +321,7 @@ def test_follow_yields_newer_versions_from_notices_and_polling(tmp_path: Path) -
     assert seen[0] == 0 and seen[-1] == 2 and seen == sorted(set(seen))
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("backend", ["file", "s3"])
 def test_killing_the_publisher_mid_upload_keeps_latest_complete(

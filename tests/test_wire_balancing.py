@@ -99,6 +99,7 @@ async def test_calls_split_evenly_and_a_replica_added_is_used_within_the_bound()
             await replica.server.stop(None)
 
 
+@pytest.mark.slow
 async def test_a_replica_stopped_mid_stream_loses_no_call(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
