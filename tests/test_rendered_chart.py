@@ -6,7 +6,9 @@ the rendered reconciler and Redis, breaks one port, Service name, env var, mount
 probe, and asserts the emulator reports it. The slow test runs the whole release: every
 pod ready, 3 RL steps, inference serving a trained version, evals scoring one; then a
 second envs pod (``kubectl scale``) that finishes rollouts while steps advance, and an
-envs pod SIGKILLed, restarted and the run going on, with no slot lost.
+envs pod SIGKILLed, restarted and the run going on, with no slot lost. A real Prometheus
+(tests/prometheus_support.py) scrapes the pods as the ServiceMonitors say, and every panel
+query of the shipped dashboards must return data, every alert rule evaluate.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tests.chart_run_support import (
     store_claim,
     wait_for,
 )
+from tests.prometheus_support import Prometheus, as_grafana_sends, dashboard_queries
 
 pytestmark = [pytest.mark.integration]
 
@@ -50,15 +53,26 @@ def host_root() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def reconciler_and_redis() -> Manifests:
-    """The rendered release cut to the reconciler, Redis and what they read."""
+def reconciler_and_redis(monitoring: bool = False) -> Manifests:
+    """The rendered release cut to the reconciler, Redis and what they read (with
+    `monitoring`, also the reconciler's ServiceMonitor and the release's rules)."""
     manifests = render_release(SINGLE_REGION, CPU_TINY)
     kept = []
+    kinds = (
+        ("Service", "Deployment", "StatefulSet", "ServiceMonitor")
+        if monitoring
+        else (
+            "Service",
+            "Deployment",
+            "StatefulSet",
+        )
+    )
     for manifest in manifests:
         component = manifest["metadata"].get("labels", {}).get("app.kubernetes.io/component")
         config = manifest["kind"] == "ConfigMap" and "config.toml" in manifest.get("data", {})
-        workload = manifest["kind"] in ("Service", "Deployment", "StatefulSet")
-        if config or (workload and component in ("reconciler", "redis")):
+        workload = manifest["kind"] in kinds
+        rules = monitoring and manifest["kind"] == "PrometheusRule"
+        if config or rules or (workload and component in ("reconciler", "redis")):
             kept.append(manifest)
     chart_check.find(kept, "Deployment", "etude-reconciler")["spec"]["replicas"] = 1
     return kept
@@ -81,6 +95,56 @@ def test_emulator_runs_the_rendered_reconciler_and_redis(host_root: Path) -> Non
             cluster.describe,
         )
         assert cluster.all_problems() == [], cluster.all_problems()
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_the_reconciler_as_its_service_monitor_says(host_root: Path) -> None:
+    """Debian's prometheus, configured from the rendered ServiceMonitor and PrometheusRule:
+    the reconciler's pod is a target with the labels the dashboards and rules select on
+    (its own `service` label kept: honorLabels), every rule evaluates without error, and
+    the services with no pod are absent: their EtudeServiceAbsent alerts are pending."""
+    manifests = reconciler_and_redis(monitoring=True)
+    with (
+        running(manifests, host_root, {"etude-store": store_claim(host_root)}) as cluster,
+        Prometheus(cluster, manifests, host_root / "prometheus") as prometheus,
+    ):
+        (pod,) = cluster.pods("etude-reconciler")
+        selector = f'namespace="{chart_check.NAMESPACE}", release="etude"'
+
+        def ready_series() -> list[dict[str, Any]]:
+            return prometheus.query(f"etude_service_ready{{{selector}}} == 1")
+
+        wait_for(
+            "the reconciler scraped ready",
+            lambda: bool(ready_series()),
+            60,
+            lambda: f"{cluster.describe()}\n{prometheus.targets()}\n{prometheus.log()}",
+        )
+        (series,) = ready_series()
+        labels = series["metric"]
+        assert (labels["pod"], labels["component"], labels["service"], labels["job"]) == (
+            pod.name,
+            "reconciler",
+            "reconciler",  # the service's own label, not the target's Service name
+            "etude-reconciler",
+        ), labels
+        # Only the ClusterIP Service is scraped (the headless one is labelled not to be).
+        assert [t["labels"]["service"] for t in prometheus.targets()] == ["etude-reconciler"]
+
+        def absent_alerts() -> set[str]:
+            pending = prometheus.query('ALERTS{alertname="EtudeServiceAbsent"}')
+            return {alert["metric"]["component"] for alert in pending}
+
+        wait_for(
+            "absent services alerted",
+            lambda: absent_alerts() == {"envs", "inference", "trainer", "evals"},
+            30,
+            lambda: str(absent_alerts()),
+        )
+        states = prometheus.rule_states()
+        assert states and all(s["health"] == "ok" for s in states), [
+            (s["name"], s["health"], s.get("lastError")) for s in states if s["health"] != "ok"
+        ]
 
 
 def _wrong_container_port(manifests: Manifests) -> None:
@@ -190,7 +254,10 @@ def test_the_rendered_single_region_release_trains_scales_and_heals(host_root: P
         "etude-models": model_claim(host_root),
         "etude-checkpoints": claim_dir(host_root, "etude-checkpoints"),
     }
-    with running(manifests, host_root, claims) as cluster:
+    with (
+        running(manifests, host_root, claims) as cluster,
+        Prometheus(cluster, manifests, host_root / "prometheus") as prometheus,
+    ):
         assert cluster.problems == [], cluster.problems
 
         def step() -> float:
@@ -243,3 +310,36 @@ def test_the_rendered_single_region_release_trains_scales_and_heals(host_root: P
         dead = _value(cluster, "etude-reconciler", 0, "etude_reconciler_dead_slots_total")
         assert dead <= 0, dead
         assert cluster.all_problems() == [], cluster.all_problems()
+        _observed(prometheus, manifests, cluster)
+
+
+def _observed(prometheus: Prometheus, manifests: Manifests, cluster: Any) -> None:
+    """What Prometheus made of the run: every pod a target that is up, every panel query
+    of the shipped dashboards answering data, every alert rule evaluated without error."""
+    pods = {p.name for w in cluster.workloads for p in cluster.pods(w)}
+    pods -= {p.name for p in cluster.pods("etude-redis")}  # Redis has no ServiceMonitor
+
+    def targets() -> dict[str, str]:
+        return {t["labels"]["pod"]: t["health"] for t in prometheus.targets()}
+
+    wait_for(
+        "every pod scraped",
+        lambda: {pod for pod, health in targets().items() if health == "up"} >= pods,
+        30,
+        lambda: f"{targets()}\n{prometheus.log()}",
+    )
+    rate_interval_s = 4 * prometheus.scrape_s
+    queries = dashboard_queries(manifests)
+    assert len(queries) > 100, len(queries)
+    empty = [
+        f"{dashboard} / {title}: {expr}"
+        for dashboard, title, expr in queries
+        if not prometheus.query(
+            as_grafana_sends(expr, chart_check.NAMESPACE, "etude", rate_interval_s)
+        )
+    ]
+    assert empty == [], "\n".join(empty)
+    states = prometheus.rule_states()
+    assert len(states) >= 10 and all(
+        s["health"] == "ok" and s["lastEvaluation"] > "2000" for s in states
+    ), [(s["name"], s["health"], s.get("lastError")) for s in states]

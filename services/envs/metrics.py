@@ -47,6 +47,19 @@ GRADING_FAILURES = Counter(
     "Final gradings that did not run to the end, by reason (timeout, syntax_error, crash, ...).",
     ["reason"],
 )
+# The reasons services/envs/grading.py gives, present from the start so that increase()
+# sees the first one too (and a dashboard shows 0, not "no data").
+GRADING_FAILURE_REASONS = (
+    "timeout",
+    "syntax_error",
+    "import_error",
+    "crash",
+    "no_result",
+    "forged_result",
+    "no_tests",
+)
+for _reason in GRADING_FAILURE_REASONS:
+    GRADING_FAILURES.labels(_reason)
 INFRA_FAULTS = Counter(
     "etude_envs_infra_faults",
     "Rollout attempts the infrastructure ended, by kind (sandbox_start, killed_outside, "
@@ -67,6 +80,9 @@ GRADING_TIMEOUTS = Counter(
 ERRORS = Counter(
     "etude_envs_rollout_errors", "Rollout attempts that raised, by exception type.", ["error"]
 )
+# The types services.envs.faults.infra_kind tells apart; any other is a new series.
+for _error in ("InfraFault", "AioRpcError", "ObjectStoreError"):
+    ERRORS.labels(_error)
 TOOL_CALLS = Counter("etude_envs_tool_calls", "Tool calls the agent made, by tool.", ["tool"])
 TOKENS = Counter(
     "etude_envs_rollout_tokens",

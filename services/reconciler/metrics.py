@@ -23,6 +23,10 @@ STALENESS = Histogram(
 )
 
 
+# The dead-slot reasons of reap.lua and commit.lua.
+OWN_DEAD_REASONS = ("lease expired", "withdrawn: group already trained")
+
+
 class StateSnapshot(Collector):
     """Exports the latest counts read from Redis."""
 
@@ -68,7 +72,10 @@ class StateSnapshot(Collector):
         returned.add_metric(["requeued"], counts.get("returned_slots:requeued", 0))
         returned.add_metric(["dead"], counts.get("returned_slots:dead", 0))
         dead = CounterMetricFamily("etude_reconciler_dead_slots", "Dead slots.", labels=["reason"])
-        for reason, value in sorted(self.dead_reasons.items()):
+        # The reasons the reconciler's scripts write themselves are there from the start
+        # (increase() then sees the first death); a FailSlot's reason is the worker's.
+        reasons = dict.fromkeys(OWN_DEAD_REASONS, 0) | self.dead_reasons
+        for reason, value in sorted(reasons.items()):
             dead.add_metric([reason], value)
         version = GaugeMetricFamily(
             "etude_reconciler_policy_version", "Newest published policy version."

@@ -34,6 +34,10 @@ STEP_METRIC = Gauge("etude_trainer_step_metric", "Scalar metrics of the last ste
 SKIPPED = Counter(
     "etude_trainer_skipped_total", "Groups and rollouts left out of training.", ["reason"]
 )
+# The group reasons services/trainer/batch.py gives, present from the start (a rollout's
+# own, rollout_<reason>, are the envs workers' free text).
+for _reason in ("group_single_sample", "group_uniform_task_reward", "group_returned"):
+    SKIPPED.labels(_reason)
 TRAINED_TOKENS = Counter(
     "etude_trainer_trained_tokens_total",
     "Trained tokens by version lag (trainer version - generating version; 3+ is every lag "

@@ -45,3 +45,13 @@ FALLBACKS = Counter(
     "Loads that fell back from the cached weights to a keyframe chain, by reason.",
     ["reason"],
 )
+# Every reason services/weights/subscriber.py gives, present from the start.
+FALLBACK_REASONS = (
+    "hash_mismatch",
+    "crc_mismatch",
+    "missing_base",
+    "missing_object",
+    "decode_error",
+)
+for _reason in FALLBACK_REASONS:
+    FALLBACKS.labels(_reason)

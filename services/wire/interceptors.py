@@ -27,11 +27,12 @@ import hmac
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc import aio
 from prometheus_client import Counter, Histogram
 
@@ -87,6 +88,29 @@ _HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]
     (True, False): grpc.stream_unary_rpc_method_handler,
     (True, True): grpc.stream_stream_rpc_method_handler,
 }
+
+
+def preregister(service_names: Iterable[str]) -> None:
+    """Every method of `service_names` (full names, e.g. ``etude.v1.EnvService``) gets its
+    counters and latency histogram at zero, handled with every status code, as
+    go-grpc-prometheus does: a service nobody has called yet shows zero rates and error
+    ratios, not an absent series (and increase() sees the first failure too)."""
+    pool = descriptor_pool.Default()
+    for name in service_names:
+        for method in pool.FindServiceByName(name).methods:
+            if method.client_streaming and method.server_streaming:
+                rpc_type = "bidi_stream"
+            elif method.client_streaming:
+                rpc_type = "client_stream"
+            elif method.server_streaming:
+                rpc_type = "server_stream"
+            else:
+                rpc_type = "unary"
+            labels = (name, method.name, rpc_type)
+            STARTED.labels(*labels)
+            LATENCY.labels(*labels)
+            for code in grpc.StatusCode:
+                HANDLED.labels(*labels, code.name)
 
 
 def _split_method(full_method: str) -> tuple[str, str]:

@@ -27,7 +27,7 @@ from opentelemetry.trace import TracerProvider
 from services.config import SharedConfig
 from services.wire.client import Channels
 from services.wire.http import serve_http
-from services.wire.interceptors import BearerTokenAuth, ObservedCalls
+from services.wire.interceptors import BearerTokenAuth, ObservedCalls, preregister
 from services.wire.options import server_options
 from services.wire.service import LIVENESS, READINESS, READY, Readiness, Service
 
@@ -104,6 +104,7 @@ def build_server(service: Service, tracer_provider: TracerProvider | None) -> Bu
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = service.register(server)
+    preregister(names)
     reflection.enable_server_reflection(
         [
             *names,
