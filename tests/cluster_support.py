@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
+import os
 import random
 import shutil
+import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +48,64 @@ IGNORED_KINDS = frozenset(
         "ScaledObject",
     }
 )
+
+
+# What a cluster leaves on the host while it runs (the mount points it created, its
+# network's prefix), one file per cluster: a test process killed before `close` (a CI
+# timeout, SIGKILL) leaves them behind, and the next cluster removes them, or a stale
+# /etc/etude/config.toml could stand in for a mount a later test breaks on purpose.
+JOURNALS = Path("/var/tmp/etude-cluster-journals")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_leftovers() -> list[str]:
+    """Removes what clusters of dead processes left: their (empty) mount points, network
+    namespaces and links. Returns what it removed."""
+    removed: list[str] = []
+    if not JOURNALS.is_dir():
+        return removed
+    for journal in JOURNALS.glob("*.json"):
+        with contextlib.suppress(ValueError, OSError):
+            entry = json.loads(journal.read_text())
+            if _alive(int(entry["pid"])):
+                continue
+            for raw in reversed(entry.get("paths", [])):
+                path = Path(raw)
+                with contextlib.suppress(OSError):
+                    if path.is_dir() and not path.is_mount():
+                        path.rmdir()  # only when empty: a mount point, nothing of anyone's
+                        removed.append(raw)
+                    elif path.is_file() and path.stat().st_size == 0:
+                        path.unlink()
+                        removed.append(raw)
+            if prefix := entry.get("prefix"):
+                removed += _remove_network(prefix)
+            journal.unlink()
+    return removed
+
+
+def _remove_network(prefix: str) -> list[str]:
+    removed = []
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in names.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if name.startswith(f"{prefix}-"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+            removed.append(f"netns {name}")
+    for link in (f"{prefix}-h", f"{prefix}-br"):
+        if subprocess.run(["ip", "link", "del", link], capture_output=True).returncode == 0:
+            removed.append(f"link {link}")
+    return removed
 
 
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -88,6 +149,7 @@ class Cluster:
         self.workloads: dict[str, Workload] = {}
         self.problems: list[str] = []
         self._made_paths: list[Path] = []
+        self._journal = JOURNALS / f"{os.getpid()}-{id(self):x}.json"
         self._lock = threading.RLock()
         for manifest in manifests:
             kind, name = manifest["kind"], manifest["metadata"]["name"]
@@ -150,7 +212,9 @@ class Cluster:
     def start(self) -> None:
         """Creates the pod network and every workload's pods."""
         self.root.mkdir(parents=True, exist_ok=True)
+        remove_leftovers()
         self.network = PodNetwork(self.namespace)
+        self._write_journal()
         self._update_endpoints()  # every Service name exists, with no ready pod yet
         for name, workload in self.workloads.items():
             self.scale(name, int(workload.manifest["spec"].get("replicas", 1)))
@@ -183,7 +247,7 @@ class Cluster:
             secrets=self.secrets,
             claims=self.claims,
             root=root,
-            made_paths=self._made_paths.append,
+            made_paths=self._made,
         )
         templates = {}
         for claim in spec.get("volumeClaimTemplates", []):  # one volume per pod, kept
@@ -199,6 +263,21 @@ class Cluster:
 
         process = PodProcess(name, ip, pod_spec, build, root, self._update_endpoints)
         return Pod(name, meta["name"], labels, ip, process, index)
+
+    def _made(self, path: Path) -> None:
+        self._made_paths.append(path)
+        self._write_journal()
+
+    def _write_journal(self) -> None:
+        JOURNALS.mkdir(parents=True, exist_ok=True)
+        entry = {
+            "pid": os.getpid(),
+            "prefix": self.network.prefix if self.network is not None else None,
+            "paths": [str(path) for path in self._made_paths],
+        }
+        scratch = self._journal.with_suffix(".tmp")
+        scratch.write_text(json.dumps(entry))
+        os.replace(scratch, self._journal)
 
     def scale(self, workload_name: str, replicas: int) -> None:
         """`kubectl scale`: new pods started, surplus pods stopped gracefully (newest, or
@@ -283,4 +362,5 @@ class Cluster:
             with contextlib.suppress(OSError):
                 path.rmdir() if path.is_dir() else path.unlink()
         self._made_paths.clear()
+        self._journal.unlink(missing_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)

@@ -147,6 +147,39 @@ def test_prometheus_scrapes_the_reconciler_as_its_service_monitor_says(host_root
         ]
 
 
+def test_what_a_killed_test_left_on_the_host_is_removed_by_the_next_cluster(
+    host_root: Path,
+) -> None:
+    """A cluster's journal names a process that is gone: its empty mount points, its
+    network namespaces and links go; a file with content (not a mount stub) stays."""
+    import json
+    import subprocess
+
+    from tests.cluster_support import JOURNALS, remove_leftovers
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stub_dir, stub_file, kept = host_root / "etc-etude", host_root / "config.toml", host_root / "x"
+    stub_dir.mkdir()
+    stub_file.touch()
+    kept.write_text("someone's")
+    prefix = f"et{gone.pid % 0xFFFF:04x}z"
+    subprocess.run(["ip", "netns", "add", f"{prefix}-pod"], check=True)
+    subprocess.run(["ip", "link", "add", f"{prefix}-br", "type", "bridge"], check=True)
+    JOURNALS.mkdir(parents=True, exist_ok=True)
+    journal = JOURNALS / f"{gone.pid}-test.json"
+    paths = [str(stub_dir), str(stub_file), str(kept)]
+    journal.write_text(json.dumps({"pid": gone.pid, "prefix": prefix, "paths": paths}))
+    removed = remove_leftovers()
+    assert {str(stub_dir), str(stub_file), f"netns {prefix}-pod", f"link {prefix}-br"} <= set(
+        removed
+    ), removed
+    assert not stub_dir.exists() and not stub_file.exists() and kept.exists()
+    assert not journal.exists()
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"{prefix}-pod" not in namespaces
+
+
 def _wrong_container_port(manifests: Manifests) -> None:
     ports = container(manifests, "Deployment", "etude-reconciler")["ports"]
     ports[0]["containerPort"] += 10
