@@ -9,7 +9,8 @@ command -v "$python" >/dev/null || python=python3
 need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v bwrap >/dev/null || need_apt+=(bubblewrap)
-command -v promtool >/dev/null || need_apt+=(prometheus)  # `make chart` checks alert rules
+# `make chart` checks the alert rules with promtool; the rendered-chart tests run prometheus.
+{ command -v promtool && command -v prometheus; } >/dev/null || need_apt+=(prometheus)
 if ((${#need_apt[@]})); then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
