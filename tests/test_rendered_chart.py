@@ -344,6 +344,10 @@ def test_the_rendered_single_region_release_trains_scales_and_heals(host_root: P
         assert dead <= 0, dead
         assert cluster.all_problems() == [], cluster.all_problems()
         _observed(prometheus, manifests, cluster)
+        # The killed pod was seen down: `up` (what EtudePodDown watches) went to 0 for it
+        # while its process was gone, though its own series had stopped.
+        down = prometheus.query(f'min_over_time(up{{pod="{victim.name}"}}[15m]) == 0')
+        assert down, prometheus.query(f'up{{pod="{victim.name}"}}')
 
 
 def _observed(prometheus: Prometheus, manifests: Manifests, cluster: Any) -> None:
