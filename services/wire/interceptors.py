@@ -98,14 +98,7 @@ def preregister(service_names: Iterable[str]) -> None:
     pool = descriptor_pool.Default()
     for name in service_names:
         for method in pool.FindServiceByName(name).methods:
-            if method.client_streaming and method.server_streaming:
-                rpc_type = "bidi_stream"
-            elif method.client_streaming:
-                rpc_type = "client_stream"
-            elif method.server_streaming:
-                rpc_type = "server_stream"
-            else:
-                rpc_type = "unary"
+            rpc_type = _rpc_type(method.client_streaming, method.server_streaming)
             labels = (name, method.name, rpc_type)
             STARTED.labels(*labels)
             LATENCY.labels(*labels)
@@ -113,17 +106,22 @@ def preregister(service_names: Iterable[str]) -> None:
                 HANDLED.labels(*labels, code.name)
 
 
+async def _aiter(items: Iterable[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item
+
+
 def _split_method(full_method: str) -> tuple[str, str]:
     service, _, method = full_method.lstrip("/").rpartition("/")
     return service, method
 
 
-def _rpc_type(handler: grpc.RpcMethodHandler) -> str:
-    if handler.request_streaming and handler.response_streaming:
+def _rpc_type(request_streaming: bool, response_streaming: bool) -> str:
+    if request_streaming and response_streaming:
         return "bidi_stream"
-    if handler.request_streaming:
+    if request_streaming:
         return "client_stream"
-    if handler.response_streaming:
+    if response_streaming:
         return "server_stream"
     return "unary"
 
@@ -217,13 +215,9 @@ class ObservedCalls(aio.ServerInterceptor):
         self._idle = asyncio.Event()
         self._idle.set()
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
-
-    async def hand_back(self, grace_s: float) -> int:
+    async def hand_back(self, grace_s: float) -> None:
         """Waits up to `grace_s` for the calls in flight to finish, then ends each one
-        still running with UNAVAILABLE (HANDED_BACK); returns how many it ended.
+        still running with UNAVAILABLE (HANDED_BACK).
 
         A call inside its handler is cancelled there (a generation's engine request is
         aborted as on a caller's cancel) and answers UNAVAILABLE; a streaming call whose
@@ -241,7 +235,6 @@ class ObservedCalls(aio.ServerInterceptor):
                 len(calls),
                 grace_s,
             )
-        return len(calls)
 
     def _enter(self) -> _InFlight:
         task = asyncio.current_task()
@@ -266,7 +259,7 @@ class ObservedCalls(aio.ServerInterceptor):
         if handler is None:
             return handler
         service, method = _split_method(handler_call_details.method)
-        rpc_type = _rpc_type(handler)
+        rpc_type = _rpc_type(handler.request_streaming, handler.response_streaming)
         labels = (service, method, rpc_type)
         behavior = _original_behavior(handler)
         deserializer = handler.request_deserializer
@@ -338,21 +331,15 @@ class ObservedCalls(aio.ServerInterceptor):
             result: Any = None
             try:
                 result = behavior(decode(request), context)
-                if hasattr(result, "__aiter__"):
-                    async for item in result:
+                if inspect.isawaitable(result):  # a coroutine that uses context.write
+                    await result
+                else:
+                    items = result if hasattr(result, "__aiter__") else _aiter(result)
+                    async for item in items:
                         call.in_handler = False
                         yield item
                         call.in_handler = True
                         if call.handed_back:  # while gRPC sent `item`
-                            raise asyncio.CancelledError
-                elif inspect.isawaitable(result):  # a coroutine that uses context.write
-                    await result
-                else:
-                    for item in result:
-                        call.in_handler = False
-                        yield item
-                        call.in_handler = True
-                        if call.handed_back:
                             raise asyncio.CancelledError
                 code = code_of(context, grpc.StatusCode.OK)
             except aio.AbortError:
