@@ -19,9 +19,8 @@ import atexit
 import contextlib
 import json
 import os
-import random
+import secrets
 import shutil
-import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ from tests.kubelet_support import (
     pod_volumes,
 )
 from tests.pod_lifecycle import PodProcess
-from tests.podnet_support import PodNetwork
+from tests.podnet_support import PodNetwork, remove_network
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 IGNORED_KINDS = frozenset(
@@ -88,23 +87,8 @@ def remove_leftovers() -> list[str]:
                         path.unlink()
                         removed.append(raw)
             if prefix := entry.get("prefix"):
-                removed += _remove_network(prefix)
+                removed += remove_network(prefix)
             journal.unlink()
-    return removed
-
-
-def _remove_network(prefix: str) -> list[str]:
-    removed = []
-    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for line in names.splitlines():
-        name = line.split()[0] if line.split() else ""
-        if name.startswith(f"{prefix}-"):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
-            removed.append(f"netns {name}")
-    for link in (f"{prefix}-h", f"{prefix}-br"):
-        if subprocess.run(["ip", "link", "del", link], capture_output=True).returncode == 0:
-            removed.append(f"link {link}")
     return removed
 
 
@@ -231,7 +215,7 @@ class Cluster:
             labels["statefulset.kubernetes.io/pod-name"] = name
             subdomain = spec.get("serviceName")
         else:
-            name = f"{meta['name']}-{random.SystemRandom().getrandbits(24):06x}"
+            name = f"{meta['name']}-{secrets.token_hex(3)}"
         netns, ip = self.network.add_pod(name, name, subdomain)
         root = self.root / "pods" / name
         root.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,24 @@ def _used_subnets() -> list[ipaddress.IPv4Network]:
     return found
 
 
+def remove_network(prefix: str) -> list[str]:
+    """Removes every namespace (with its /etc/netns files) and link named with `prefix`,
+    whoever made them; returns what it removed."""
+    removed = []
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for netns in (line.split()[0] for line in listed.splitlines() if line.split()):
+        if netns.startswith(f"{prefix}-"):
+            with contextlib.suppress(subprocess.CalledProcessError):
+                _ip("netns", "del", netns)  # its eth0 goes with it, and so the veth's peer
+                removed.append(f"netns {netns}")
+            shutil.rmtree(NETNS_ETC / netns, ignore_errors=True)
+    for link in (f"{prefix}-h", f"{prefix}-br"):
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("link", "del", link)
+            removed.append(f"link {link}")
+    return removed
+
+
 class PodNetwork:
     """A bridge with a gateway address for the test process, and a DNS zone on it."""
 
@@ -138,10 +156,7 @@ class PodNetwork:
         if self._closed:
             return
         self._closed = True
-        for pod in list(self._pods):
-            self.remove_pod(pod)
+        self._pods.clear()
         with contextlib.suppress(Exception):
             self._dns.__exit__(None, None, None)
-        for link in (f"{self.prefix}-h", self.bridge):
-            with contextlib.suppress(subprocess.CalledProcessError):
-                _ip("link", "del", link)
+        remove_network(self.prefix)
