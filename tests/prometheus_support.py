@@ -68,6 +68,15 @@ def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return True
 
 
+def _container_port(pod_spec: dict[str, Any], target: str | int) -> tuple[str, int] | None:
+    """(container name, port number) of the containerPort a Service's targetPort names."""
+    for container in pod_spec["containers"]:
+        for declared in container.get("ports", []):
+            if target in (declared.get("name"), declared["containerPort"]):
+                return container["name"], int(declared["containerPort"])
+    return None
+
+
 def _duration_s(text: str) -> float:
     units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
     number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text).groups()  # type: ignore[union-attr]
@@ -126,30 +135,24 @@ class Prometheus:
             if port is None:
                 continue
             selector = service["spec"].get("selector") or {}
+            target = port.get("targetPort", port["port"])
             for workload in self.cluster.workloads.values():
-                for pod in list(workload.pods):
-                    if not selects(selector, pod.labels):
-                        continue
-                    template = workload.manifest["spec"]["template"]["spec"]
-                    target = port.get("targetPort", port["port"])
-                    for container in template["containers"]:
-                        for declared in container.get("ports", []):
-                            if target in (declared.get("name"), declared["containerPort"]):
-                                groups.append(
-                                    {
-                                        "targets": [f"{pod.ip}:{declared['containerPort']}"],
-                                        "labels": {
-                                            "job": name,
-                                            "namespace": self.cluster.namespace,
-                                            "service": name,
-                                            "pod": pod.name,
-                                            "container": container["name"],
-                                            "endpoint": endpoint["port"],
-                                            **_meta("__meta_kubernetes_service_label_", labels),
-                                            **_meta("__meta_kubernetes_pod_label_", pod.labels),
-                                        },
-                                    }
-                                )
+                found = _container_port(workload.manifest["spec"]["template"]["spec"], target)
+                if found is None:
+                    continue
+                container, number = found
+                for pod in [p for p in list(workload.pods) if selects(selector, p.labels)]:
+                    labels_of_target = {
+                        "job": name,
+                        "namespace": self.cluster.namespace,
+                        "service": name,
+                        "pod": pod.name,
+                        "container": container,
+                        "endpoint": endpoint["port"],
+                        **_meta("__meta_kubernetes_service_label_", labels),
+                        **_meta("__meta_kubernetes_pod_label_", pod.labels),
+                    }
+                    groups.append({"targets": [f"{pod.ip}:{number}"], "labels": labels_of_target})
         return groups
 
     def _config(self) -> dict[str, Any]:
