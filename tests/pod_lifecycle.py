@@ -303,4 +303,12 @@ class PodProcess:
         self._set_ready(False)
         self._terminate(grace=grace)
         self._thread.join(60)
+        # The pod's thread may have started a container (a restart) between its last look
+        # at `_stopping` and `_terminate` reading the wrapper: that one would outlive the pod.
+        wrapper = self.wrapper
+        if wrapper is not None and wrapper.poll() is None:
+            self._event("a container started while stopping: SIGKILL")
+            self.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                wrapper.wait(30)
         self.phase = "Terminated"

@@ -16,8 +16,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ipaddress
+import os
 import random
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -55,13 +57,24 @@ def _used_subnets() -> list[ipaddress.IPv4Network]:
     return found
 
 
+def netns_pids(netns: str) -> list[int]:
+    """The processes in network namespace `netns`."""
+    listed = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
+    return [int(pid) for pid in listed.stdout.split()]
+
+
 def remove_network(prefix: str) -> list[str]:
-    """Removes every namespace (with its /etc/netns files) and link named with `prefix`,
-    whoever made them; returns what it removed."""
+    """Removes every namespace (with its /etc/netns files and any process still in it)
+    and link named with `prefix`, whoever made them; returns what it removed."""
     removed = []
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for netns in (line.split()[0] for line in listed.splitlines() if line.split()):
         if netns.startswith(f"{prefix}-"):
+            # A process still in the namespace would keep it, and its veth, alive unnamed.
+            for pid in netns_pids(netns):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                removed.append(f"process {pid} in {netns}")
             with contextlib.suppress(subprocess.CalledProcessError):
                 _ip("netns", "del", netns)  # its eth0 goes with it, and so the veth's peer
                 removed.append(f"netns {netns}")
