@@ -9,11 +9,18 @@ command -v "$python" >/dev/null || python=python3
 need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v bwrap >/dev/null || need_apt+=(bubblewrap)
+# The tests find service processes with pgrep and give emulated pods their own network
+# namespaces with ip.
+command -v pgrep >/dev/null || need_apt+=(procps)
+command -v ip >/dev/null || need_apt+=(iproute2)
 # `make chart` checks the alert rules with promtool; the rendered-chart tests run prometheus.
 { command -v promtool && command -v prometheus; } >/dev/null || need_apt+=(prometheus)
 if ((${#need_apt[@]})); then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
+    # Without recommends: prometheus would bring the node exporter and its collectors
+    # (smartmontools, ipmitool, nvme-cli, ...), which nothing here runs.
+    apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}"
   else
     echo "missing system packages: ${need_apt[*]} (install them with: sudo apt-get install ${need_apt[*]})" >&2
   fi
