@@ -21,7 +21,10 @@ sys.path.insert(0, str(REPO / "tools"))
 import chart_check  # noqa: E402
 
 SINGLE_REGION = chart_check.CHART / "examples" / "single-region.yaml"
+REGION_TRAIN = chart_check.CHART / "examples" / "region-train.yaml"
+REGION_ROLLOUTS = chart_check.CHART / "examples" / "region-rollouts.yaml"
 CPU_TINY = chart_check.CHART / "ci" / "cpu-tiny.yaml"
+CPU_REGIONS = chart_check.CHART / "ci" / "cpu-regions.yaml"
 APP_UID = 10001
 
 
@@ -36,11 +39,14 @@ def merge_values(base: dict[str, Any], override: dict[str, Any]) -> dict[str, An
     return merged
 
 
-def render_release(*files: Path, namespace: str = chart_check.NAMESPACE) -> list[dict[str, Any]]:
+def render_release(
+    *files: Path, name: str = chart_check.RELEASE, namespace: str = chart_check.NAMESPACE
+) -> list[dict[str, Any]]:
+    """`helm template <name> -n <namespace> -f files[0] -f files[1] ...`"""
     values: dict[str, Any] = {}
     for path in files:
         values = merge_values(values, chart_check.load_values(path))
-    return chart_check.render(values, namespace=namespace)
+    return chart_check.render(values, name=name, namespace=namespace)
 
 
 def claim_dir(root: Path, name: str, uid: int = APP_UID) -> Path:
@@ -86,16 +92,20 @@ def running(
     root: Path,
     claims: dict[str, Path],
     token: str | None = None,
+    more_secrets: dict[str, dict[str, str]] | None = None,
+    load_balancer_names: dict[str, str] | None = None,
 ) -> Iterator[Cluster]:
-    """The manifests running; the token Secret the example names exists (as
-    `kubectl create secret generic etude-token --from-literal=token=...` makes it)."""
+    """The manifests running; the token Secret the examples name exists (as
+    `kubectl create secret generic etude-token --from-literal=token=...` makes it), and
+    `more_secrets` beside it."""
     token = token or secrets.token_hex(16)
     cluster = Cluster(
         manifests,
         root=root / "cluster",
         namespace=chart_check.NAMESPACE,
-        secrets={"etude-token": {"token": token}},
+        secrets={"etude-token": {"token": token}, **(more_secrets or {})},
         claims=claims,
+        load_balancer_names=load_balancer_names,
     )
     try:
         cluster.start()
@@ -125,6 +135,47 @@ def store_claim(root: Path, num_tasks: int = 200) -> Path:
     open_store(ObjectStoreConfig(url=f"file://{path}")).put("tasks/train.jsonl", text.encode())
     _give_to_app(path)
     return path
+
+
+def push_model_to_store(store_dir: Path, prefix: str) -> None:
+    """The tiny model uploaded under `prefix` of the file bucket, as
+    `etude model push --dir <model> --prefix <prefix>` does."""
+    import tempfile
+
+    from services.config import ObjectStoreConfig
+    from services.model_factory.build import init_model
+    from services.model_source import push_model
+    from services.objectstore import open_store
+
+    with tempfile.TemporaryDirectory() as scratch:
+        init_model("tiny", Path(scratch) / "model", seed=0)
+        store = open_store(ObjectStoreConfig(url=f"file://{store_dir}"))
+        push_model(store, Path(scratch) / "model", prefix)
+    _give_to_app(store_dir)
+
+
+def tls_secret(names: list[str]) -> dict[str, str]:
+    """A kubernetes.io/tls Secret's keys (ca.crt, tls.crt, tls.key): a certificate for
+    `names` issued by a CA made for the test (what cert-manager would issue)."""
+    import trustme
+
+    authority = trustme.CA()
+    issued = authority.issue_cert(*names)
+    return {
+        "ca.crt": authority.cert_pem.bytes().decode(),
+        "tls.crt": "".join(blob.bytes().decode() for blob in issued.cert_chain_pems),
+        "tls.key": issued.private_key_pem.bytes().decode(),
+    }
+
+
+def service_names(manifests: list[dict[str, Any]], namespace: str) -> list[str]:
+    """Every name a client may dial a rendered Service by: short, namespaced, cluster."""
+    names = []
+    for manifest in manifests:
+        if manifest["kind"] == "Service":
+            name = manifest["metadata"]["name"]
+            names += [name, f"{name}.{namespace}", f"{name}.{namespace}.svc.cluster.local"]
+    return names
 
 
 def model_claim(root: Path) -> Path:

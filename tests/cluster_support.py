@@ -124,8 +124,13 @@ class Cluster:
         namespace: str,
         secrets: dict[str, dict[str, str]],
         claims: dict[str, Path],
+        load_balancer_names: dict[str, str] | None = None,
     ) -> None:
+        """`load_balancer_names`: DNS names outside the cluster and the LoadBalancer
+        Service each is the record of (what a provider's load balancer and its DNS entry
+        give another region); the name resolves to that Service's ready pods."""
         self.namespace, self.root = namespace, root
+        self.load_balancer_names = dict(load_balancer_names or {})
         self.claims = dict(claims)
         self.config_maps: dict[str, dict[str, str]] = {}
         self.secrets = dict(secrets)
@@ -148,6 +153,12 @@ class Cluster:
             elif kind not in IGNORED_KINDS:
                 self.problems.append(f"{kind}/{name}: kind not emulated")
         self.problems += self._check_services()
+        for name, service in self.load_balancer_names.items():
+            kind = self.services.get(service, {}).get("spec", {}).get("type", "ClusterIP")
+            if kind != "LoadBalancer":
+                self.problems.append(
+                    f"{name}: Service/{service} is no LoadBalancer Service ({kind})"
+                )
         self.network: PodNetwork | None = None
         atexit.register(self.close)
 
@@ -286,18 +297,21 @@ class Cluster:
             return
         with self._lock:
             pods = [pod for w in self.workloads.values() for pod in w.pods]
+            resolved: dict[str, list[str]] = {}
             for name, service in self.services.items():
                 selector = service["spec"].get("selector") or {}
                 everyone = service["spec"].get("publishNotReadyAddresses", False)
-                addresses = [
+                resolved[name] = [
                     pod.ip
                     for pod in pods
                     if selects(selector, pod.labels) and (everyone or pod.process.ready)
                 ]
-                self.network.zone.set(self.network.fqdn(name), addresses)
+                self.network.zone.set(self.network.fqdn(name), resolved[name])
                 for pod in pods:
                     if selects(selector, pod.labels) and service["spec"].get("clusterIP") == "None":
                         self.network.zone.set(self.network.fqdn(f"{pod.name}.{name}"), [pod.ip])
+            for name, service_name in self.load_balancer_names.items():
+                self.network.zone.set(name, resolved.get(service_name, []))
 
     def pods(self, workload: str) -> list[Pod]:
         return list(self.workloads[workload].pods)

@@ -4,35 +4,59 @@ rendered by Helm and every workload run as a kubelet would (tests/cluster_suppor
 The fast tests show that the emulator fails on what a cluster would fail on: each takes
 the rendered reconciler and Redis, breaks one port, Service name, env var, mount path or
 probe, and asserts the emulator reports it. The slow test runs the whole release: every
-pod ready, 3 RL steps, inference serving a trained version, evals scoring one; then a
-second envs pod (``kubectl scale``) that finishes rollouts while steps advance, and an
-envs pod SIGKILLed, restarted and the run going on, with no slot lost. A real Prometheus
+pod ready, 3 RL steps, inference serving a trained version, evals scoring one; then
+``kubectl scale`` of inference (1 -> 2, its new replica serving generations) and envs
+(1 -> 0 -> 2, the new pods finishing rollouts) while steps advance, and an envs pod
+SIGKILLed, restarted and the run going on, with no slot lost. A real Prometheus
 (tests/prometheus_support.py) scrapes the pods as the ServiceMonitors say, and every panel
 query of the shipped dashboards must return data, every alert rule evaluate.
+
+The region pair (`examples/region-train.yaml` and `examples/region-rollouts.yaml`, each
+with the CPU overrides) runs as two releases side by side, as the examples' `helm install`
+lines make them: gRPC over TLS with a certificate naming every Service and the training
+region's load-balancer name, the rollout region reaching the reconciler by that name only,
+both syncing the base model from the bucket's `model.storePrefix`, and the trainer's
+checkpoints in the bucket. Both regions share one emulated pod network, so what separates
+real regions (their own clusters, the load balancer in between) is not tested; the names,
+certificates, Secrets and store layout that must line up are.
 """
 
 from __future__ import annotations
 
 import copy
 import shutil
+import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.config import ObjectStoreConfig
+from services.config.trainer import CheckpointConfig
+from services.objectstore import open_store
+from services.trainer.checkpoint_index import list_store_checkpoints
 from tests.chart_run_support import (
+    CPU_REGIONS,
     CPU_TINY,
+    REGION_ROLLOUTS,
+    REGION_TRAIN,
     SINGLE_REGION,
     chart_check,
     claim_dir,
     metric_value,
     metrics,
     model_claim,
+    push_model_to_store,
     render_release,
     running,
+    service_names,
     store_claim,
+    tls_secret,
     wait_for,
 )
 from tests.prometheus_support import Prometheus, as_grafana_sends, dashboard_queries
@@ -143,11 +167,13 @@ def test_what_a_killed_test_left_on_the_host_is_removed_by_the_next_cluster(
     host_root: Path,
 ) -> None:
     """A cluster's journal names a process that is gone: its empty mount points, its
-    network namespaces and links go; a file with content (not a mount stub) stays."""
+    network namespaces (and a process left in one) and links go; a file with content
+    (not a mount stub) stays."""
     import json
     import subprocess
 
     from tests.cluster_support import JOURNALS, remove_leftovers
+    from tests.podnet_support import netns_pids
 
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -158,14 +184,24 @@ def test_what_a_killed_test_left_on_the_host_is_removed_by_the_next_cluster(
     prefix = f"et{gone.pid % 0xFFFF:04x}z"
     subprocess.run(["ip", "netns", "add", f"{prefix}-pod"], check=True)
     subprocess.run(["ip", "link", "add", f"{prefix}-br", "type", "bridge"], check=True)
+    # A pod's process the dead test never stopped, still in the pod's namespace.
+    left = subprocess.Popen(["ip", "netns", "exec", f"{prefix}-pod", "sleep", "600"])
+    deadline = time.monotonic() + 10
+    while left.pid not in netns_pids(f"{prefix}-pod") and time.monotonic() < deadline:
+        time.sleep(0.05)
     JOURNALS.mkdir(parents=True, exist_ok=True)
     journal = JOURNALS / f"{gone.pid}-test.json"
     paths = [str(stub_dir), str(stub_file), str(kept)]
     journal.write_text(json.dumps({"pid": gone.pid, "prefix": prefix, "paths": paths}))
     removed = remove_leftovers()
-    assert {str(stub_dir), str(stub_file), f"netns {prefix}-pod", f"link {prefix}-br"} <= set(
-        removed
-    ), removed
+    assert {
+        str(stub_dir),
+        str(stub_file),
+        f"process {left.pid} in {prefix}-pod",
+        f"netns {prefix}-pod",
+        f"link {prefix}-br",
+    } <= set(removed), removed
+    assert left.wait(10) == -signal.SIGKILL
     assert not stub_dir.exists() and not stub_file.exists() and kept.exists()
     assert not journal.exists()
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -261,7 +297,7 @@ HTTP_PORTS = {"reconciler": 9101, "envs": 9102, "inference": 9103, "trainer": 91
 
 def _value(cluster: Any, workload: str, index: int, name: str, **labels: str) -> float:
     pod = cluster.pods(workload)[index]
-    component = workload.removeprefix("etude-")
+    component = pod.labels["app.kubernetes.io/component"]
     try:
         text = metrics(pod.ip, HTTP_PORTS[component])
     except OSError:
@@ -307,16 +343,37 @@ def test_the_rendered_single_region_release_trains_scales_and_heals(host_root: P
             cluster.describe,
         )
 
-        # kubectl scale: a second envs pod mid-run. (A second inference replica is not
-        # started here: beside a generating engine on 2 cores its vLLM start-up took over
-        # 4 minutes; tests/test_load_balancing.py runs replicas joining and leaving.)
+        # kubectl scale, mid-run: inference 1 -> 2 and envs 1 -> 2. A vLLM start beside a
+        # generating engine took over 4 minutes on 2 cores, so the rollouts pause while
+        # the new replica loads (envs to 0: its workers hand their slots back, nothing is
+        # lost), as its own node would spare it on a cluster; then envs come back at 2.
+        cluster.scale("etude-envs", 0)
+        cluster.scale("etude-inference", 2)
+        wait_for("the new inference replica ready", every_pod_ready, 300, cluster.describe)
         cluster.scale("etude-envs", 2)
         at_scale = step()
-        wait_for("the new envs pod ready", every_pod_ready, 180, cluster.describe)
+        wait_for("the new envs pods ready", every_pod_ready, 180, cluster.describe)
+        for index in (0, 1):
+            wait_for(
+                f"envs pod {index} finishes rollouts",
+                lambda i=index: _value(cluster, "etude-envs", i, "etude_envs_rollouts_total") > 0,
+                120,
+                cluster.describe,
+            )
+        # The headless Service lists the new replica once ready; the envs workers' channels
+        # (dns:///, round_robin, 5-s connection ages here) reach it.
         wait_for(
-            "the new envs pod finishes rollouts",
-            lambda: _value(cluster, "etude-envs", 1, "etude_envs_rollouts_total") > 0,
-            120,
+            "the new inference replica serves generations",
+            lambda: _value(
+                cluster,
+                "etude-inference",
+                1,
+                "grpc_server_handled_total",
+                grpc_method="Generate",
+                grpc_code="OK",
+            )
+            > 0,
+            60,
             cluster.describe,
         )
         wait_for("steps advance after scaling", lambda: step() > at_scale, 180, cluster.describe)
@@ -373,3 +430,102 @@ def _observed(prometheus: Prometheus, manifests: Manifests, cluster: Any) -> Non
         s["health"] == "ok" and not s["lastEvaluation"].startswith("0001-")  # 0001: never
         for s in states
     ), [(s["name"], s["health"], s.get("lastError")) for s in states]
+
+
+# examples/region-rollouts.yaml's endpoints.reconciler: the training region's reconciler
+# behind its internal load balancer, and the DNS record of that load balancer.
+RECONCILER_LB = "reconciler.train.example.internal"
+MODEL_PREFIX = "models/prod-base"  # both examples' model.storePrefix
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_rendered_region_pair_trains_over_tls_on_the_bucket_model(host_root: Path) -> None:
+    train = render_release(REGION_TRAIN, CPU_TINY, CPU_REGIONS, name="etude-train")
+    rollouts = render_release(REGION_ROLLOUTS, CPU_TINY, CPU_REGIONS, name="etude-rollouts")
+    manifests = train + rollouts
+    store = store_claim(host_root)
+    push_model_to_store(store, MODEL_PREFIX)  # `etude model push --prefix models/prod-base`
+    namespace = chart_check.NAMESPACE
+    certificate = tls_secret([*service_names(manifests, namespace), RECONCILER_LB])
+    # The examples name Secrets the user creates: the bucket's credentials (unused by the
+    # file:// bucket of the CPU overrides, but every pod that reads the store mounts them).
+    bucket = {"AWS_ACCESS_KEY_ID": "unused", "AWS_SECRET_ACCESS_KEY": "unused"}
+    claims = {"etude-store": store, "etude-checkpoints": claim_dir(host_root, "etude-checkpoints")}
+    with running(
+        manifests,
+        host_root,
+        claims,
+        more_secrets={"etude-grpc-tls": certificate, "etude-s3": bucket},
+        load_balancer_names={RECONCILER_LB: "etude-train-reconciler"},
+    ) as cluster:
+        assert cluster.problems == [], cluster.problems
+        assert {w.removeprefix("etude-") for w in cluster.workloads} >= {
+            "train-reconciler",
+            "train-redis",
+            "train-trainer",
+            "rollouts-envs",
+            "rollouts-inference",
+            "rollouts-evals",
+        }, sorted(cluster.workloads)
+
+        def every_pod_ready() -> bool:
+            return all(p.process.ready for w in cluster.workloads for p in cluster.pods(w))
+
+        def step() -> float:
+            return _value(cluster, "etude-train-trainer", 0, "etude_trainer_step")
+
+        wait_for("every pod of both releases ready", every_pod_ready, 480, cluster.describe)
+        wait_for("3 RL steps", lambda: step() >= 3, 300, cluster.describe)
+        wait_for(
+            "the rollout region's inference serves a trained version",
+            lambda: _value(
+                cluster, "etude-rollouts-inference", 0, "etude_inference_serving_version"
+            )
+            >= 1,
+            120,
+            cluster.describe,
+        )
+        wait_for(
+            "the rollout region's evals scored a version",
+            lambda: _value(cluster, "etude-rollouts-evals", 0, "etude_evals_version") >= 0,
+            180,
+            cluster.describe,
+        )
+        # The rollout region reached the reconciler by the load balancer's name, over TLS
+        # (the reconciler's certificate verifies under that name, a plaintext call fails),
+        # both regions synced the model from the bucket, and the trainer's checkpoints are
+        # in the bucket.
+        assert cluster.network is not None
+        assert cluster.network.zone.queries.get(RECONCILER_LB, 0) > 0, cluster.network.zone.queries
+        for workload in ("etude-train-trainer", "etude-rollouts-inference", "etude-rollouts-envs"):
+            log = cluster.pods(workload)[0].process.log().read_text(errors="replace")
+            assert f"model synced from {MODEL_PREFIX}" in log, (workload, log[-2000:])
+        reconciler = cluster.pods("etude-train-reconciler")[0]
+        assert _health(f"{reconciler.ip}:50051", certificate["ca.crt"], RECONCILER_LB) == (
+            "SERVING"
+        )
+        assert _health(f"{reconciler.ip}:50051", None, None).startswith("UNAVAILABLE")
+        bucket_store = open_store(ObjectStoreConfig(url=f"file://{store}"))
+        saved = list_store_checkpoints(bucket_store, f"{CheckpointConfig().prefix}/ci")
+        assert saved and saved[-1].step >= 2, saved
+        assert cluster.all_problems() == [], cluster.all_problems()
+
+
+def _health(target: str, ca: str | None, name: str | None) -> str:
+    """The gRPC health status of `target` over TLS verified for `name` with `ca`, or in
+    plaintext without `ca`; the status code's name when the call fails."""
+    if ca is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca.encode())
+        options = [("grpc.ssl_target_name_override", name)]
+        channel = grpc.secure_channel(target, credentials, options=options)
+    with channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        except grpc.RpcError as error:
+            return f"{error.code().name}: {error.details()}"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
