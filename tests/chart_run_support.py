@@ -8,6 +8,7 @@ import copy
 import os
 import secrets
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -140,8 +141,6 @@ def store_claim(root: Path, num_tasks: int = 200) -> Path:
 def push_model_to_store(store_dir: Path, prefix: str) -> None:
     """The tiny model uploaded under `prefix` of the file bucket, as
     `etude model push --dir <model> --prefix <prefix>` does."""
-    import tempfile
-
     from services.config import ObjectStoreConfig
     from services.model_factory.build import init_model
     from services.model_source import push_model

@@ -154,11 +154,12 @@ class Cluster:
                 self.problems.append(f"{kind}/{name}: kind not emulated")
         self.problems += self._check_services()
         for name, service in self.load_balancer_names.items():
-            kind = self.services.get(service, {}).get("spec", {}).get("type", "ClusterIP")
-            if kind != "LoadBalancer":
-                self.problems.append(
-                    f"{name}: Service/{service} is no LoadBalancer Service ({kind})"
-                )
+            if service not in self.services:
+                self.problems.append(f"{name}: no such Service {service!r}")
+            elif (kind := self.services[service]["spec"].get("type", "ClusterIP")) != (
+                "LoadBalancer"
+            ):
+                self.problems.append(f"{name}: Service/{service} is of type {kind}")
         self.network: PodNetwork | None = None
         atexit.register(self.close)
 

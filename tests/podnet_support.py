@@ -63,22 +63,30 @@ def netns_pids(netns: str) -> list[int]:
     return [int(pid) for pid in listed.stdout.split()]
 
 
+def remove_namespace(netns: str) -> list[str]:
+    """Removes network namespace `netns`, its /etc/netns files and any process still in
+    it (which would keep the namespace, and its veth, alive unnamed); returns what it
+    removed."""
+    removed = []
+    for pid in netns_pids(netns):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            removed.append(f"process {pid} in {netns}")
+    with contextlib.suppress(subprocess.CalledProcessError):
+        _ip("netns", "del", netns)  # its eth0 goes with it, and so the veth's peer
+        removed.append(f"netns {netns}")
+    shutil.rmtree(NETNS_ETC / netns, ignore_errors=True)
+    return removed
+
+
 def remove_network(prefix: str) -> list[str]:
-    """Removes every namespace (with its /etc/netns files and any process still in it)
-    and link named with `prefix`, whoever made them; returns what it removed."""
+    """Removes every namespace (as `remove_namespace` does) and link named with `prefix`,
+    whoever made them; returns what it removed."""
     removed = []
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for netns in (line.split()[0] for line in listed.splitlines() if line.split()):
         if netns.startswith(f"{prefix}-"):
-            # A process still in the namespace would keep it, and its veth, alive unnamed.
-            for pid in netns_pids(netns):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                removed.append(f"process {pid} in {netns}")
-            with contextlib.suppress(subprocess.CalledProcessError):
-                _ip("netns", "del", netns)  # its eth0 goes with it, and so the veth's peer
-                removed.append(f"netns {netns}")
-            shutil.rmtree(NETNS_ETC / netns, ignore_errors=True)
+            removed += remove_namespace(netns)
     for link in (f"{prefix}-h", f"{prefix}-br"):
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip("link", "del", link)
@@ -146,11 +154,8 @@ class PodNetwork:
 
     def remove_pod(self, pod: str) -> None:
         netns = self._pods.pop(pod, None)
-        if netns is None:
-            return
-        with contextlib.suppress(subprocess.CalledProcessError):
-            _ip("netns", "del", netns)  # its eth0 goes with it, and so the veth's peer
-        shutil.rmtree(NETNS_ETC / netns, ignore_errors=True)
+        if netns is not None:
+            remove_namespace(netns)
 
     def fqdn(self, service: str) -> str:
         return f"{service}.{self.namespace}.svc.{CLUSTER_DOMAIN}"

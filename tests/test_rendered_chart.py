@@ -186,22 +186,25 @@ def test_what_a_killed_test_left_on_the_host_is_removed_by_the_next_cluster(
     subprocess.run(["ip", "link", "add", f"{prefix}-br", "type", "bridge"], check=True)
     # A pod's process the dead test never stopped, still in the pod's namespace.
     left = subprocess.Popen(["ip", "netns", "exec", f"{prefix}-pod", "sleep", "600"])
-    deadline = time.monotonic() + 10
-    while left.pid not in netns_pids(f"{prefix}-pod") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    JOURNALS.mkdir(parents=True, exist_ok=True)
-    journal = JOURNALS / f"{gone.pid}-test.json"
-    paths = [str(stub_dir), str(stub_file), str(kept)]
-    journal.write_text(json.dumps({"pid": gone.pid, "prefix": prefix, "paths": paths}))
-    removed = remove_leftovers()
-    assert {
-        str(stub_dir),
-        str(stub_file),
-        f"process {left.pid} in {prefix}-pod",
-        f"netns {prefix}-pod",
-        f"link {prefix}-br",
-    } <= set(removed), removed
-    assert left.wait(10) == -signal.SIGKILL
+    try:
+        deadline = time.monotonic() + 10
+        while left.pid not in netns_pids(f"{prefix}-pod") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        JOURNALS.mkdir(parents=True, exist_ok=True)
+        journal = JOURNALS / f"{gone.pid}-test.json"
+        paths = [str(stub_dir), str(stub_file), str(kept)]
+        journal.write_text(json.dumps({"pid": gone.pid, "prefix": prefix, "paths": paths}))
+        removed = remove_leftovers()
+        assert {
+            str(stub_dir),
+            str(stub_file),
+            f"process {left.pid} in {prefix}-pod",
+            f"netns {prefix}-pod",
+            f"link {prefix}-br",
+        } <= set(removed), removed
+        assert left.wait(10) == -signal.SIGKILL
+    finally:
+        left.kill()
     assert not stub_dir.exists() and not stub_file.exists() and kept.exists()
     assert not journal.exists()
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -235,6 +238,29 @@ def test_emulator_refuses_services_that_miss_their_pods(
     mutate(manifests)
     cluster = Cluster(manifests, root=host_root, namespace="etude", secrets={}, claims={})
     assert any(expected in problem for problem in cluster.problems), cluster.problems
+
+
+@pytest.mark.parametrize(
+    ("service", "expected"),
+    [
+        ("etude-reconciler", "Service/etude-reconciler is of type ClusterIP"),
+        ("etude-elsewhere", "no such Service 'etude-elsewhere'"),
+    ],
+)
+def test_emulator_refuses_a_load_balancer_name_without_its_load_balancer(
+    service: str, expected: str, host_root: Path
+) -> None:
+    from tests.cluster_support import Cluster
+
+    cluster = Cluster(
+        reconciler_and_redis(),
+        root=host_root,
+        namespace="etude",
+        secrets={},
+        claims={},
+        load_balancer_names={"reconciler.example.internal": service},
+    )
+    assert cluster.problems == [f"reconciler.example.internal: {expected}"], cluster.problems
 
 
 def _missing_secret_key(manifests: Manifests) -> None:
@@ -492,10 +518,10 @@ def test_the_rendered_region_pair_trains_over_tls_on_the_bucket_model(host_root:
             180,
             cluster.describe,
         )
-        # The rollout region reached the reconciler by the load balancer's name, over TLS
-        # (the reconciler's certificate verifies under that name, a plaintext call fails),
-        # both regions synced the model from the bucket, and the trainer's checkpoints are
-        # in the bucket.
+        # The rollout region looked the reconciler up by the load balancer's name (steps
+        # advancing show it reached it there), over TLS (the reconciler's certificate
+        # verifies under that name, a plaintext call fails); both regions synced the model
+        # from the bucket, and the trainer's checkpoints are in the bucket.
         assert cluster.network is not None
         assert cluster.network.zone.queries.get(RECONCILER_LB, 0) > 0, cluster.network.zone.queries
         for workload in ("etude-train-trainer", "etude-rollouts-inference", "etude-rollouts-envs"):
@@ -507,7 +533,8 @@ def test_the_rendered_region_pair_trains_over_tls_on_the_bucket_model(host_root:
         )
         assert _health(f"{reconciler.ip}:50051", None, None).startswith("UNAVAILABLE")
         bucket_store = open_store(ObjectStoreConfig(url=f"file://{store}"))
-        saved = list_store_checkpoints(bucket_store, f"{CheckpointConfig().prefix}/ci")
+        run_name = chart_check.load_values(CPU_TINY)["config"]["run"]["name"]
+        saved = list_store_checkpoints(bucket_store, f"{CheckpointConfig().prefix}/{run_name}")
         assert saved and saved[-1].step >= 2, saved
         assert cluster.all_problems() == [], cluster.all_problems()
 
