@@ -240,10 +240,12 @@ async def test_resume_stream_waits_out_other_transports_faults_and_gives_up_at_i
 
 # The envs inference client ----------------------------------------------------------------
 class _Restarting(inference_pb2_grpc.InferenceServiceServicer):
-    """Breaks `failures` Generate streams after their first chunk, then answers whole."""
+    """Breaks `failures` Generate streams after their first chunk with `code`, then
+    answers whole."""
 
-    def __init__(self, failures: int) -> None:
+    def __init__(self, failures: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
         self.failures = failures
+        self.code = code
         self.calls = 0
 
     async def Generate(
@@ -252,7 +254,7 @@ class _Restarting(inference_pb2_grpc.InferenceServiceServicer):
         self.calls += 1
         yield inference_pb2.GenerateResponse(token_ids=[self.calls], logprobs=[-1.0])
         if self.calls <= self.failures:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "replica restarting")
+            await context.abort(self.code, "replica restarting")
         yield inference_pb2.GenerateResponse(
             token_ids=[99],
             logprobs=[-1.0],
@@ -274,3 +276,25 @@ async def test_generate_starts_over_after_a_broken_stream_until_its_wait_is_spen
             await InferenceGenerator(channel, 1.0, seed=None, unavailable_wait_s=0.5)([1], 4, [])
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE])
+async def test_generate_starts_over_when_the_replica_gives_the_call_up(
+    code: grpc.StatusCode,
+) -> None:
+    """A replica shutting down may end a call CANCELLED (gRPC's own cancel at the end of
+    its stop grace) instead of handing it back UNAVAILABLE: the generation starts over."""
+    replica = _Restarting(1, code)
+    async with _serving(replica) as target, make_channel(target, token=None) as channel:
+        generation = await InferenceGenerator(channel, 1.0, seed=None)([1, 2], 4, [])
+        assert generation.token_ids == [2, 99]
+        assert replica.calls == 2
+
+
+async def test_generate_raises_a_replicas_refusal_at_once() -> None:
+    replica = _Restarting(1, grpc.StatusCode.INVALID_ARGUMENT)
+    async with _serving(replica) as target, make_channel(target, token=None) as channel:
+        with pytest.raises(aio.AioRpcError) as caught:
+            await InferenceGenerator(channel, 1.0, seed=None)([1, 2], 4, [])
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert replica.calls == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import zlib
 
+import grpc
 from grpc import aio
 
 from services import routed_experts
@@ -13,6 +14,8 @@ from services.envs.harness import Generation
 from services.wire.retry import RetryPolicy, retrying
 
 log = logging.getLogger(__name__)
+
+GIVEN_UP_BY_THE_REPLICA = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 class InferenceGenerator:
@@ -23,6 +26,11 @@ class InferenceGenerator:
     starts over (tokens of a broken stream are dropped). Counting such a fault as a failed
     rollout attempt would burn the slot's attempts in a second while a replica restarts;
     the channel's own retry policy cannot wait that long (``services.wire.retry``).
+
+    CANCELLED is such a fault too: a cancel of this side's own ends the call with
+    asyncio.CancelledError, so a CANCELLED status comes from the replica, which gave the
+    call up while shutting down (gRPC cancels what is left when its stop grace ends, or a
+    call that reached a replica as it closed) without handing it back UNAVAILABLE.
     """
 
     def __init__(
@@ -36,7 +44,10 @@ class InferenceGenerator:
         self.temperature = temperature
         self.seed = seed
         self.retry = RetryPolicy(
-            initial_backoff_s=0.25, max_backoff_s=5.0, deadline_s=unavailable_wait_s
+            codes=GIVEN_UP_BY_THE_REPLICA,
+            initial_backoff_s=0.25,
+            max_backoff_s=5.0,
+            deadline_s=unavailable_wait_s,
         )
         self.calls = 0
 

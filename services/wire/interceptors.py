@@ -16,7 +16,8 @@ by gRPC as before.
 (``services.wire.server``): ``hand_back(grace_s)`` lets them finish for ``grace_s``
 and then ends those still running with UNAVAILABLE, which callers retry on another
 replica. Left to gRPC, a call still running when ``server.stop``'s grace runs out is
-cancelled, and its caller reads CANCELLED, which nothing retries.
+cancelled, and its caller reads CANCELLED (which only the envs worker's Generate, the
+call that must outlast a replica going away, retries as well).
 """
 
 from __future__ import annotations
