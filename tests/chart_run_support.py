@@ -13,13 +13,17 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tests.cluster_support import Cluster
+from tests.podnet_support import CLUSTER_DOMAIN
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 import chart_check  # noqa: E402
+
+if TYPE_CHECKING:
+    from services.objectstore import ObjectStore
 
 SINGLE_REGION = chart_check.CHART / "examples" / "single-region.yaml"
 REGION_TRAIN = chart_check.CHART / "examples" / "region-train.yaml"
@@ -115,17 +119,27 @@ def running(
         cluster.close()
 
 
-def store_claim(root: Path, num_tasks: int = 200) -> Path:
+def file_store(path: Path) -> ObjectStore:
+    """The file bucket at `path`, as the pods open it (a file:// object store)."""
+    from services.config import ObjectStoreConfig
+    from services.objectstore import open_store
+
+    return open_store(ObjectStoreConfig(url=f"file://{path}"))
+
+
+def store_claim(root: Path, num_tasks: int = 200, model_prefix: str | None = None) -> Path:
     """The bucket's claim (objectStore.fileClaim) holding the task file the example's jsonl
-    feeder reads, as `etude tasks export --key tasks/train.jsonl` writes it."""
+    feeder reads, as `etude tasks export --key tasks/train.jsonl` writes it, and with
+    `model_prefix` the tiny model under it, as `etude model push --prefix` uploads it."""
     from google.protobuf import json_format
 
-    from services.config import ObjectStoreConfig
     from services.config.reconciler import FeederConfig
-    from services.objectstore import open_store
+    from services.model_factory.build import init_model
+    from services.model_source import push_model
     from services.reconciler.feeders import build_feeder
 
     path = claim_dir(root, "etude-store")
+    store = file_store(path)
     feeder = build_feeder(
         FeederConfig(kind="generator", generator="services.families.synthetic:task_at")
     )
@@ -133,24 +147,13 @@ def store_claim(root: Path, num_tasks: int = 200) -> Path:
         json_format.MessageToJson(task, indent=None) + "\n"
         for task in feeder.tasks_from(0, num_tasks)
     )
-    open_store(ObjectStoreConfig(url=f"file://{path}")).put("tasks/train.jsonl", text.encode())
+    store.put("tasks/train.jsonl", text.encode())
+    if model_prefix is not None:
+        with tempfile.TemporaryDirectory() as scratch:
+            init_model("tiny", Path(scratch) / "model", seed=0)
+            push_model(store, Path(scratch) / "model", model_prefix)
     _give_to_app(path)
     return path
-
-
-def push_model_to_store(store_dir: Path, prefix: str) -> None:
-    """The tiny model uploaded under `prefix` of the file bucket, as
-    `etude model push --dir <model> --prefix <prefix>` does."""
-    from services.config import ObjectStoreConfig
-    from services.model_factory.build import init_model
-    from services.model_source import push_model
-    from services.objectstore import open_store
-
-    with tempfile.TemporaryDirectory() as scratch:
-        init_model("tiny", Path(scratch) / "model", seed=0)
-        store = open_store(ObjectStoreConfig(url=f"file://{store_dir}"))
-        push_model(store, Path(scratch) / "model", prefix)
-    _give_to_app(store_dir)
 
 
 def tls_secret(names: list[str]) -> dict[str, str]:
@@ -173,7 +176,7 @@ def service_names(manifests: list[dict[str, Any]], namespace: str) -> list[str]:
     for manifest in manifests:
         if manifest["kind"] == "Service":
             name = manifest["metadata"]["name"]
-            names += [name, f"{name}.{namespace}", f"{name}.{namespace}.svc.cluster.local"]
+            names += [name, f"{name}.{namespace}", f"{name}.{namespace}.svc.{CLUSTER_DOMAIN}"]
     return names
 
 

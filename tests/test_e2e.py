@@ -172,8 +172,7 @@ def _rollouts_spanning_versions(state: Path, run_name: str, group_ids: list[str]
 
 # Four kills and restarts (each service waits for its dependencies again, the trainer
 # resumes from a checkpoint) on top of a whole run: about 6 min on a slow 2-core EPYC,
-# near the suite's 600 s default.
-# The run's own deadline below is what bounds it.
+# near the suite's 600 s default. The run's own deadline below is what bounds it.
 @pytest.mark.timeout(1560)
 def test_etude_run_trains_evaluates_reports_and_survives_kills(tmp_path: Path) -> None:
     state = tmp_path / "state"

@@ -24,6 +24,7 @@ certificates, Secrets and store layout that must line up are.
 from __future__ import annotations
 
 import copy
+import functools
 import shutil
 import signal
 import time
@@ -36,9 +37,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.config import ObjectStoreConfig
 from services.config.trainer import CheckpointConfig
-from services.objectstore import open_store
 from services.trainer.checkpoint_index import list_store_checkpoints
 from tests.chart_run_support import (
     CPU_REGIONS,
@@ -48,10 +47,10 @@ from tests.chart_run_support import (
     SINGLE_REGION,
     chart_check,
     claim_dir,
+    file_store,
     metric_value,
     metrics,
     model_claim,
-    push_model_to_store,
     render_release,
     running,
     service_names,
@@ -318,18 +317,52 @@ def test_a_broken_reconciler_never_turns_ready_and_says_why(
 
 # -- the whole release -----------------------------------------------------------------
 
-HTTP_PORTS = {"reconciler": 9101, "envs": 9102, "inference": 9103, "trainer": 9104, "evals": 9105}
+
+def _port(pod: Any, name: str) -> int:
+    """The containerPort named `name` of the pod's container, as rendered."""
+    (container,) = pod.process.spec["containers"]
+    return next(int(p["containerPort"]) for p in container["ports"] if p.get("name") == name)
 
 
 def _value(cluster: Any, workload: str, index: int, name: str, **labels: str) -> float:
     pod = cluster.pods(workload)[index]
-    component = pod.labels["app.kubernetes.io/component"]
     try:
-        text = metrics(pod.ip, HTTP_PORTS[component])
+        text = metrics(pod.ip, _port(pod, "http"))
     except OSError:
         return -1.0
     found = metric_value(text, name, **labels)
     return -1.0 if found is None else found
+
+
+def _every_pod_ready(cluster: Any) -> bool:
+    return all(p.process.ready for w in cluster.workloads for p in cluster.pods(w))
+
+
+def _trains_serves_and_scores(
+    cluster: Any, trainer: str, inference: str, evals: str
+) -> Callable[[], float]:
+    """Waits until every pod is ready, the `trainer` workload has trained 3 RL steps, the
+    `inference` one serves a trained version and the `evals` one scored a version;
+    returns the trainer's step as a function."""
+
+    def step() -> float:
+        return _value(cluster, trainer, 0, "etude_trainer_step")
+
+    wait_for("every pod ready", lambda: _every_pod_ready(cluster), 480, cluster.describe)
+    wait_for("3 RL steps", lambda: step() >= 3, 300, cluster.describe)
+    wait_for(
+        "inference serves a trained version",
+        lambda: _value(cluster, inference, 0, "etude_inference_serving_version") >= 1,
+        120,
+        cluster.describe,
+    )
+    wait_for(
+        "evals scored a version",
+        lambda: _value(cluster, evals, 0, "etude_evals_version") >= 0,
+        180,
+        cluster.describe,
+    )
+    return step
 
 
 @pytest.mark.slow
@@ -346,28 +379,8 @@ def test_the_rendered_single_region_release_trains_scales_and_heals(host_root: P
         Prometheus(cluster, manifests, host_root / "prometheus") as prometheus,
     ):
         assert cluster.problems == [], cluster.problems
-
-        def step() -> float:
-            return _value(cluster, "etude-trainer", 0, "etude_trainer_step")
-
-        def every_pod_ready() -> bool:
-            return all(p.process.ready for w in cluster.workloads for p in cluster.pods(w))
-
-        wait_for("every pod ready", every_pod_ready, 480, cluster.describe)
         # The trainer trains, inference follows the published versions, evals score one.
-        wait_for("3 RL steps", lambda: step() >= 3, 300, cluster.describe)
-        wait_for(
-            "inference serves a trained version",
-            lambda: _value(cluster, "etude-inference", 0, "etude_inference_serving_version") >= 1,
-            120,
-            cluster.describe,
-        )
-        wait_for(
-            "evals scored a version",
-            lambda: _value(cluster, "etude-evals", 0, "etude_evals_version") >= 0,
-            180,
-            cluster.describe,
-        )
+        step = _trains_serves_and_scores(cluster, "etude-trainer", "etude-inference", "etude-evals")
 
         # kubectl scale, mid-run: inference 1 -> 2 and envs 1 -> 2. A vLLM start beside a
         # generating engine took over 4 minutes on 2 cores, so the rollouts pause while
@@ -375,10 +388,11 @@ def test_the_rendered_single_region_release_trains_scales_and_heals(host_root: P
         # lost), as its own node would spare it on a cluster; then envs come back at 2.
         cluster.scale("etude-envs", 0)
         cluster.scale("etude-inference", 2)
-        wait_for("the new inference replica ready", every_pod_ready, 300, cluster.describe)
+        all_ready = functools.partial(_every_pod_ready, cluster)
+        wait_for("the new inference replica ready", all_ready, 300, cluster.describe)
         cluster.scale("etude-envs", 2)
         at_scale = step()
-        wait_for("the new envs pods ready", every_pod_ready, 180, cluster.describe)
+        wait_for("the new envs pods ready", all_ready, 180, cluster.describe)
         for index in (0, 1):
             wait_for(
                 f"envs pod {index} finishes rollouts",
@@ -470,8 +484,7 @@ def test_the_rendered_region_pair_trains_over_tls_on_the_bucket_model(host_root:
     train = render_release(REGION_TRAIN, CPU_TINY, CPU_REGIONS, name="etude-train")
     rollouts = render_release(REGION_ROLLOUTS, CPU_TINY, CPU_REGIONS, name="etude-rollouts")
     manifests = train + rollouts
-    store = store_claim(host_root)
-    push_model_to_store(store, MODEL_PREFIX)  # `etude model push --prefix models/prod-base`
+    store = store_claim(host_root, model_prefix=MODEL_PREFIX)
     namespace = chart_check.NAMESPACE
     certificate = tls_secret([*service_names(manifests, namespace), RECONCILER_LB])
     # The examples name Secrets the user creates: the bucket's credentials (unused by the
@@ -486,37 +499,18 @@ def test_the_rendered_region_pair_trains_over_tls_on_the_bucket_model(host_root:
         load_balancer_names={RECONCILER_LB: "etude-train-reconciler"},
     ) as cluster:
         assert cluster.problems == [], cluster.problems
-        assert {w.removeprefix("etude-") for w in cluster.workloads} >= {
-            "train-reconciler",
-            "train-redis",
-            "train-trainer",
-            "rollouts-envs",
-            "rollouts-inference",
-            "rollouts-evals",
+        assert set(cluster.workloads) == {
+            "etude-train-reconciler",
+            "etude-train-redis",
+            "etude-train-trainer",
+            "etude-rollouts-envs",
+            "etude-rollouts-inference",
+            "etude-rollouts-evals",
         }, sorted(cluster.workloads)
-
-        def every_pod_ready() -> bool:
-            return all(p.process.ready for w in cluster.workloads for p in cluster.pods(w))
-
-        def step() -> float:
-            return _value(cluster, "etude-train-trainer", 0, "etude_trainer_step")
-
-        wait_for("every pod of both releases ready", every_pod_ready, 480, cluster.describe)
-        wait_for("3 RL steps", lambda: step() >= 3, 300, cluster.describe)
-        wait_for(
-            "the rollout region's inference serves a trained version",
-            lambda: _value(
-                cluster, "etude-rollouts-inference", 0, "etude_inference_serving_version"
-            )
-            >= 1,
-            120,
-            cluster.describe,
-        )
-        wait_for(
-            "the rollout region's evals scored a version",
-            lambda: _value(cluster, "etude-rollouts-evals", 0, "etude_evals_version") >= 0,
-            180,
-            cluster.describe,
+        # Every pod of both releases: the training region trains on the rollout region's
+        # rollouts, whose inference serves its versions and whose evals score one.
+        _trains_serves_and_scores(
+            cluster, "etude-train-trainer", "etude-rollouts-inference", "etude-rollouts-evals"
         )
         # The rollout region looked the reconciler up by the load balancer's name (steps
         # advancing show it reached it there), over TLS (the reconciler's certificate
@@ -528,11 +522,10 @@ def test_the_rendered_region_pair_trains_over_tls_on_the_bucket_model(host_root:
             log = cluster.pods(workload)[0].process.log().read_text(errors="replace")
             assert f"model synced from {MODEL_PREFIX}" in log, (workload, log[-2000:])
         reconciler = cluster.pods("etude-train-reconciler")[0]
-        assert _health(f"{reconciler.ip}:50051", certificate["ca.crt"], RECONCILER_LB) == (
-            "SERVING"
-        )
-        assert _health(f"{reconciler.ip}:50051", None, None).startswith("UNAVAILABLE")
-        bucket_store = open_store(ObjectStoreConfig(url=f"file://{store}"))
+        target = f"{reconciler.ip}:{_port(reconciler, 'grpc')}"
+        assert _health(target, certificate["ca.crt"], RECONCILER_LB) == "SERVING"
+        assert _health(target, None, None).startswith("UNAVAILABLE")
+        bucket_store = file_store(store)
         run_name = chart_check.load_values(CPU_TINY)["config"]["run"]["name"]
         saved = list_store_checkpoints(bucket_store, f"{CheckpointConfig().prefix}/{run_name}")
         assert saved and saved[-1].step >= 2, saved
