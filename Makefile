@@ -22,8 +22,13 @@ $(STAMP): pyproject.toml tools/setup.sh
 run: setup ## start Redis, the object store and the five services (configs/local.toml)
 	$(ETUDE) run --config $(CONFIG)
 
+# Two pytest-xdist workers: the suite leaves a third of 2 cores idle run serially (one-process
+# phases of multi-process tests); tests/conftest.py keeps on one worker what must not run
+# beside itself (its scheduler groups by module).
+TEST_WORKERS ?= 2
+
 test: setup lint chart ## lint, stub drift check, chart check, then the whole test suite
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 lint: setup ## ruff, mypy, generated-stub drift check
 	$(VENV)/bin/ruff check services tests tools

@@ -138,6 +138,50 @@ def model_init(
     typer.echo(f"{preset}: {parameters['total']:,} parameters ({parameters['active']:,} active)")
 
 
+@model_app.command("fit-mtp")
+def model_fit_mtp(
+    model_dir: Annotated[Path, typer.Option("--dir", help="The HF-layout model directory.")],
+    out: Annotated[Path, typer.Option(help="The mtp.safetensors file to write.")],
+    steps: Annotated[int, typer.Option(help="AdamW steps of self-distillation.")] = 200,
+    heads: Annotated[int, typer.Option(help="MTP heads to fit.")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the heads and the corpus.")] = 0,
+) -> None:
+    """Fit MTP heads to a frozen model by self-distillation on the factory corpus."""
+    from services.trainer.mtp_distill import distill_heads
+
+    losses = distill_heads(
+        model_dir,
+        out,
+        steps=steps,
+        num_heads=heads,
+        seed=seed,
+        progress=lambda step, loss: typer.echo(f"step {step + 1}/{steps}: loss {loss:.4f}")
+        if (step + 1) % 20 == 0 or step + 1 == steps
+        else None,
+    )
+    typer.echo(f"{out}: {heads} head(s), loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+
+@model_app.command("draft")
+def model_draft(
+    model_dir: Annotated[Path, typer.Option("--dir", help="The policy's model directory.")],
+    out: Annotated[Path, typer.Option(help="The draft directory to write.")],
+    mtp: Annotated[
+        Path | None, typer.Option(help="MTP heads (default: <dir>/mtp.safetensors).")
+    ] = None,
+    head: Annotated[int, typer.Option(help="Which head (0-based) drafts.")] = 0,
+) -> None:
+    """Export an MTP head as a vLLM speculative-decoding draft (inference.engine.draft_dir)."""
+    from services.inference.mtp_draft import export_draft
+
+    try:
+        export_draft(model_dir, out, mtp_file=mtp, head=head)
+    except (FileNotFoundError, ValueError) as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(2) from error
+    typer.echo(f"{out}: head {head} of {mtp or model_dir / 'mtp.safetensors'} as a draft")
+
+
 @model_app.command("push")
 def model_push(
     model_dir: Annotated[Path, typer.Option("--dir", help="The HF-layout model directory.")],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import secrets
 import sys
@@ -24,6 +25,8 @@ import chart_check  # noqa: E402
 
 if TYPE_CHECKING:
     from services.objectstore import ObjectStore
+
+log = logging.getLogger(__name__)
 
 SINGLE_REGION = chart_check.CHART / "examples" / "single-region.yaml"
 REGION_TRAIN = chart_check.CHART / "examples" / "region-train.yaml"
@@ -65,11 +68,12 @@ def claim_dir(root: Path, name: str, uid: int = APP_UID) -> Path:
 def wait_for(
     what: str, check: Callable[[], bool], timeout_s: float, describe: Callable[[], str]
 ) -> None:
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
     while not check():
-        if time.monotonic() > deadline:
+        if time.monotonic() > start + timeout_s:
             raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{describe()}")
         time.sleep(0.5)
+    log.info("%s: %.1f s", what, time.monotonic() - start)
 
 
 def metrics(address: str, port: int) -> str:

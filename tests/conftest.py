@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -23,6 +24,10 @@ from tests.objectstore_support import CREDENTIALS, MIN_PART
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789"
+# `make test` runs the suite on two pytest-xdist workers (gw0, gw1). Each has a database of
+# the CI Redis of its own, so runs of the same name ("test") on both never share keys.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+REDIS_URL = f"redis://127.0.0.1:6379/{int(WORKER.removeprefix('gw') or 0)}"
 
 # Fixtures that start a vLLM engine or the whole deployment (a minute or more on 2 cores):
 # a test that uses one is `slow`, so `pytest -m "not slow"` is the fast tier.
@@ -47,13 +52,86 @@ def _talks_to_redis(item: pytest.Item) -> bool:
     )
 
 
+# `make test` runs two pytest-xdist workers; what must not run beside itself on the other
+# one is kept on one worker, a module at a time: the tests that run a whole stack or an
+# emulated cluster for minutes (two such runs would starve each other's vLLM start on 2
+# cores, and the clusters' mount points on the host are one machine's), those that bind
+# the loopback aliases 127.0.0.2-6, and the modules on the session's deployment (one
+# worker starts it) with test_mtp_draft, whose vLLM engines must not start beside
+# test_inference's (on 2 cores, three engine starts at once starved the other worker's
+# sandboxed loops into host_overloaded). xdist's own `xdist_group` marks do not group
+# under pytest 9.2 (xdist 3.8 renames `item._nodeid`, which pytest no longer reads), so
+# the scheduler groups by module name, and the collection hook checks the list of
+# deployment modules is whole.
+STACK_MODULES = frozenset(
+    {
+        "test_e2e",
+        "test_rendered_chart",
+        "test_load_balancing",
+        "test_wire_balancing",
+        "test_launcher",
+    }
+)
+DEPLOYMENT_MODULES = frozenset(
+    {
+        "test_chart_metrics",
+        "test_envs_harness",
+        "test_envs_service",
+        "test_fuzz",
+        "test_inference",
+        "test_mtp_draft",
+        "test_services",
+    }
+)
+
+
+# Modules whose tests build on what the module's earlier tests did (a module-scoped
+# pipeline whose versions and evals later tests read): each runs whole on one worker,
+# in order. Elsewhere a test goes where a worker is free, and each worker builds its own
+# module fixtures.
+ORDERED_MODULES = frozenset({"test_evals_service"})
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`-n N` (xdist's load scheduling), with the stack modules one unit, the deployment
+    modules another and each ordered module its own (each runs whole on one worker;
+    every other test goes where a worker is free)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    if config.getvalue("dist") != "load":  # another --dist asked for by name
+        return None
+
+    class GroupedScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            if module in STACK_MODULES:
+                return "stack"
+            if module in DEPLOYMENT_MODULES:
+                return "deployment"
+            if module in ORDERED_MODULES:
+                return module
+            return nodeid
+
+    return GroupedScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks the tiers: `slow` for tests on an engine fixture, `redis` for tests on Redis."""
     for item in items:
-        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if ENGINE_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)
         if _talks_to_redis(item):
             item.add_marker(pytest.mark.redis)
+        if "deployment" in fixtures and _module(item.nodeid) not in DEPLOYMENT_MODULES:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the deployment fixture: add its module to "
+                "DEPLOYMENT_MODULES in tests/conftest.py (one worker starts the deployment)"
+            )
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +161,8 @@ def write_config(
         "[run]",
         f'name = "{run_name}"',
         f'state_dir = "{state_dir}"',
+        "[redis]",
+        f'url = "{REDIS_URL}"',
         "[object_store]",
         f'url = "file://{state_dir}/store"',
         "[endpoints]",

@@ -13,9 +13,7 @@ from pathlib import Path
 import redis
 
 from services.wire.ports import free_ports
-from tests.conftest import REPO, TOKEN, service_env, stop_process, wait_ready
-
-REDIS_URL = "redis://127.0.0.1:6379/0"
+from tests.conftest import REDIS_URL, REPO, TOKEN, service_env, stop_process, wait_ready
 
 
 @dataclass

@@ -9,8 +9,11 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from rich.console import Console
 
+from services.config.envs import FamilyBudgets, HarnessConfig
 from services.config.launcher import BaseModelConfig
 from services.families import CANONICAL_KEY
 from services.families.synthetic import make_task
@@ -98,3 +101,37 @@ def test_a_stage_without_a_terminal_prints_plain_progress_lines(
     printed = [line for line in written.getvalue().splitlines() if line.startswith("cpt: step")]
     assert len(printed) == lines
     assert printed[-1].startswith("cpt: step 3/3, loss ")
+
+
+@given(st.integers(0, 60), st.integers(0, 60))
+def test_interleaving_keeps_each_order_and_spreads_the_second(first: int, second: int) -> None:
+    merged = base_model.interleaved(
+        [("a", i) for i in range(first)], [("b", i) for i in range(second)]
+    )
+    assert [item for item in merged if item[0] == "a"] == [("a", i) for i in range(first)]
+    assert [item for item in merged if item[0] == "b"] == [("b", i) for i in range(second)]
+    if first and second:
+        # Each b comes about as far into the list as its place among the b's.
+        for index, item in enumerate(merged):
+            if item[0] == "b":
+                share = (item[1] + 1) / second
+                assert abs((index + 1) / len(merged) - share) <= 1 / (first + 1) + 1 / second
+
+
+def test_the_sft_data_takes_the_teachers_multifile_contexts(tiny_model: Path) -> None:
+    harness = HarnessConfig(
+        families={
+            "multifile": FamilyBudgets(
+                max_turns=12, max_tokens_per_turn=192, max_total_tokens=1024, context_tokens=1536
+            )
+        }
+    )
+    settings = BaseModelConfig(sft_multifile_tasks=2, sft_max_seq_len=1536)
+    lines = base_model.multifile_lines(settings, tiny_model, harness)
+    # Two tasks, each summarized at least once under the family's context: a context per
+    # summary and the last.
+    assert len(lines) >= 4
+    assert all(len(line["token_ids"]) <= 1536 for line in lines)
+    short = BaseModelConfig(sft_multifile_tasks=2, sft_max_seq_len=256)
+    with pytest.raises(ValueError, match=r"sft_max_seq_len to at least the multifile .*1536"):
+        base_model.multifile_lines(short, tiny_model, harness)

@@ -30,8 +30,7 @@ from services.launcher.observe import read_steps
 from services.objectstore import open_store
 from services.reconciler.store import run_prefix
 from services.trainer.rollouts import fetch_record
-from tests.conftest import REPO, write_config
-from tests.reconciler_support import REDIS_URL
+from tests.conftest import REDIS_URL, REPO, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -50,7 +49,6 @@ def e2e_config(path: Path, state: Path, run_name: str) -> None:
         state_dir=state,
         run_name=run_name,
         extra={
-            "redis": [f'url = "{REDIS_URL}"'],
             "reconciler": ["max_staleness = 2", 'stale_policy = "requeue"', "lease_ttl_s = 5"],
             "reconciler.feeder": [
                 'kind = "generator"',

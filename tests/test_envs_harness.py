@@ -15,7 +15,7 @@ import pytest
 
 from services import routed_experts
 from services.api.v1 import common_pb2, reconciler_pb2
-from services.config.envs import HarnessConfig, RewardConfig, SandboxConfig
+from services.config.envs import FamilyBudgets, HarnessConfig, RewardConfig, SandboxConfig
 from services.envs.grading import grade
 from services.envs.harness import Harness
 from services.envs.inference_client import InferenceGenerator
@@ -156,7 +156,15 @@ def test_worker_completes_slots_with_stored_records(
                     tokenizer=AutoTokenizer.from_pretrained(tiny_model),
                     grade=grade,
                     run_name="test",
-                    harness=HarnessConfig(max_turns=2, max_tokens_per_turn=16),
+                    # The task's family writes at most 8 tokens a turn (its own budget).
+                    harness=HarnessConfig(
+                        max_turns=2,
+                        max_tokens_per_turn=16,
+                        families={
+                            "synthetic": FamilyBudgets(max_tokens_per_turn=8),
+                            "multifile": FamilyBudgets(max_tokens_per_turn=32),
+                        },
+                    ),
                     rewards=RewardConfig(),
                     lease_ttl_s=30,
                 )
@@ -178,7 +186,25 @@ def test_worker_completes_slots_with_stored_records(
         assert parts.total == pytest.approx(parts.task + parts.length_penalty + parts.behaviour)
         assert parts.task == summary.grade.score == 0.0  # the untrained model does not solve it
         assert summary.grade.failure_reason or summary.grade.num_tests >= 1
+        assert summary.stats.num_generated_tokens <= 8 * summary.stats.num_turns
         for segment in record.segments:
             check_segment(segment, layers=2, top_k=2)
     # Every workspace was cleaned up; the group's snapshot is kept for reuse.
     assert list((workspaces.root / "workspaces").iterdir()) == []
+
+
+def test_a_family_has_its_own_budgets() -> None:
+    harness = HarnessConfig(
+        max_turns=4,
+        context_tokens=2048,
+        families={"multifile": FamilyBudgets(max_turns=12, context_tokens=1536)},
+    )
+    multifile = harness.for_family("multifile")
+    assert (multifile.max_turns, multifile.context_tokens) == (12, 1536)
+    assert multifile.max_total_tokens == harness.max_total_tokens  # not set: the harness's
+    assert multifile.families == {}
+    assert harness.for_family("synthetic") == harness.model_copy(update={"families": {}})
+    with pytest.raises(ValueError, match="not a family name"):
+        HarnessConfig(families={"no spaces": FamilyBudgets()})
+    with pytest.raises(ValueError, match="max_turns"):
+        FamilyBudgets(max_turns=0)

@@ -200,3 +200,30 @@ def test_the_run_summary_states_each_pass_at_1_and_the_gain_with_intervals() -> 
     points = f"{100 * gain.low:+.1f}, {100 * gain.high:+.1f}"
     assert f"points [{points}], 95 % over tasks; v0 12 tasks x 4, v5 6 tasks x 2" in text
     assert "4 / 2 (each score uses only its own version's samples)" in text
+
+
+def test_a_kept_version_0_is_named_in_the_report_and_the_summary() -> None:
+    import io
+
+    from rich.console import Console
+
+    from services.launcher.summary import RunSummary, print_summary, suite_scores
+
+    base = record_of(0, {f"t{i}": [i % 3 == 0, False] for i in range(6)})
+    kept = base.model_copy(update={"run": "r", "reused_from": "seed-0"})
+    later = record_of(5, {f"t{i}": [True, i % 2 == 0] for i in range(6)})
+    page = render("r", {"s": [kept, later]})["index.html"].decode()
+    assert "<td>v0 (in run seed-0)</td>" in page and "<td>v5</td>" in page
+    (scores,) = suite_scores({"s": {0: kept, 5: later}})
+    assert scores.first_reused_from == "seed-0"
+    summary = RunSummary(
+        run="r", steps=0, groups_trained=0, rollouts_trained=0, groups_trained_twice=0,
+        versions_published=[], versions_served=0, rollouts_spanning_versions=0, staleness={},
+        reward_curve=[], suites=[scores], weight_sync_bytes_ratio=None,
+        weight_versions_delta=0, update_pauses=0, mean_update_pause_s=None,
+        trainer_wait_fraction=None, seconds_per_step=None,
+    )  # fmt: skip
+    out = io.StringIO()
+    print_summary(Console(file=out, width=300), summary, None)
+    assert "v0 6 tasks x 2, scored in run seed-0, v5 6 tasks x 2" in out.getvalue()
+    assert '"first_reused_from": "seed-0"' in summary.to_json()

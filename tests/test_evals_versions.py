@@ -16,9 +16,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from services.api.v1 import common_pb2, reconciler_pb2
+from services.config.envs import EnvsConfig
 from services.config.evals import EvalsConfig, SuiteConfig
+from services.evals.base_scores import BaseScores
 from services.evals.record import EvalRecord
 from services.evals.results import ResultsStore, result_key
 from services.evals.runner import EvalFailed, Evaluator
@@ -289,3 +292,124 @@ def test_an_eval_with_no_sample_of_its_version_fails(tmp_path: Path) -> None:
         asyncio.run(
             evaluate_with(server.target, server.run_name, tmp_path / "store", suite, script, check)
         )
+
+
+def publish_base(store: FileObjectStore, run: str, value: float = 0.5) -> None:
+    """Version 0 of `run`: one small tensor, published as the trainer does."""
+    import torch
+
+    from services.config import WeightsConfig
+    from services.weights.publisher import WeightPublisher
+
+    publisher = WeightPublisher(store, run, WeightsConfig())
+    try:
+        weights = {"w": torch.full((8,), value, dtype=torch.bfloat16)}
+        assert publisher.publish(weights, 0).result(60).manifest_written
+    finally:
+        publisher.close()
+
+
+def base_key(store: FileObjectStore, run: str, suite: Suite, envs: EnvsConfig, k: int = 1) -> str:
+    from services.weights.manifest import read_manifest
+
+    manifest = read_manifest(store, Layout(run), 0)
+    return BaseScores(store, envs).key(manifest, suite, suite.base_tasks(2), k, [1])
+
+
+def test_the_base_score_key_names_weights_tasks_and_settings_not_the_run(tmp_path: Path) -> None:
+    store = FileObjectStore(tmp_path)
+    suite = load_suites({SUITE: SuiteConfig(num_tasks=2, num_samples=1)})[SUITE]
+    publish_base(store, "a")
+    publish_base(store, "b")
+    publish_base(store, "other-weights", value=0.25)
+    envs = EnvsConfig()
+    key = base_key(store, "a", suite, envs)
+    assert base_key(store, "b", suite, envs) == key  # another run, the same base model
+    assert base_key(store, "a", suite, envs.model_copy(update={"workers": 3})) == key
+    sandbox = envs.sandbox.model_copy(update={"uid": 1000, "backend": "pod"})
+    assert base_key(store, "a", suite, envs.model_copy(update={"sandbox": sandbox})) == key
+    others = {
+        "weights": base_key(store, "other-weights", suite, envs),
+        "K": base_key(store, "a", suite, envs, k=2),
+        "tasks": base_key(
+            store, "a", load_suites({SUITE: SuiteConfig(num_tasks=2, seed=1)})[SUITE], envs
+        ),
+        "harness": base_key(
+            store,
+            "a",
+            suite,
+            envs.model_copy(
+                update={"harness": envs.harness.model_copy(update={"temperature": 0.7})}
+            ),
+        ),
+        "sandbox limits": base_key(
+            store,
+            "a",
+            suite,
+            envs.model_copy(update={"sandbox": envs.sandbox.model_copy(update={"cpu_s": 5})}),
+        ),
+    }
+    assert all(other != key for other in others.values()), others
+    assert len(set(others.values())) == len(others)
+
+
+def test_version_0_is_scored_once_per_base_model_across_runs(tmp_path: Path) -> None:
+    suite = load_suites({SUITE: SuiteConfig(num_tasks=2, num_samples=1)})[SUITE]
+    tasks = suite.base_tasks(2)
+    script: dict[str, Sequence[Sample]] = {
+        t.task_id: [(0, 0, index % 2 == 0)] for index, t in enumerate(tasks)
+    }
+    store_dir = tmp_path / "store"
+    store = FileObjectStore(store_dir)
+
+    def evaluator(run: str, client: ReconcilerClient, envs: EnvsConfig) -> Evaluator:
+        made = Evaluator(
+            run=run,
+            suites={suite.name: suite},
+            settings=EvalsConfig(eval_timeout_s=60, base_tasks_multiplier=2),
+            results=ResultsStore(store, run),
+            weights_store=store,
+            on_result=no_result,
+            base_scores=BaseScores(store, envs),
+        )
+        made.reconciler = client
+        return made
+
+    def reused() -> float:
+        labels = {"suite": SUITE}
+        return REGISTRY.get_sample_value("etude_evals_base_scores_reused_total", labels) or 0.0
+
+    async def scenario(target: str, run_name: str) -> None:
+        async with make_channel(target, token=TOKEN) as channel:
+            client = ReconcilerClient(channel)
+            worker = ScriptedWorker(client, script)
+            working = asyncio.create_task(worker.run())
+            try:
+                first, _ = await evaluator(run_name, client, EnvsConfig()).request(SUITE, 0)
+                assert first.reused_from is None and first.num_tasks == 4
+                assert sum(worker.completed.values()) == 4
+                before = reused()
+
+                # Another run from the same base model: the kept score, nothing sampled.
+                publish_base(store, "seed-1")
+                again, _ = await evaluator("seed-1", client, EnvsConfig()).request(SUITE, 0)
+                assert (again.run, again.reused_from) == ("seed-1", run_name)
+                same = {"run", "reused_from"}
+                assert again.model_dump(exclude=same) == first.model_dump(exclude=same)
+                assert await ResultsStore(store, "seed-1").load(SUITE, 0) is not None
+                assert sum(worker.completed.values()) == 4
+                assert reused() == before + 1
+
+                # Other rollout settings: not the same eval, so version 0 is scored anew.
+                publish_base(store, "seed-2")
+                hotter = EnvsConfig.model_validate({"harness": {"temperature": 0.5}})
+                fresh, _ = await evaluator("seed-2", client, hotter).request(SUITE, 0)
+                assert fresh.reused_from is None
+                assert reused() == before + 1
+            finally:
+                working.cancel()
+                await asyncio.gather(working, return_exceptions=True)
+
+    with reconciler(tmp_path) as server:
+        publish_base(store, server.run_name)
+        asyncio.run(scenario(server.target, server.run_name))

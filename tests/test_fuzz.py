@@ -63,6 +63,10 @@ EXAMPLES = int(os.environ.get("ETUDE_FUZZ_EXAMPLES", {"short": 40, "long": 2000}
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 UNARY_TIMEOUT_S = 5.0
+# How long an authenticated stream is read: a stream may rightly wait for work, so a
+# deadline there is a fine answer. A call without the token gets UNARY_TIMEOUT_S however
+# it streams: the refusal must come at once, and on two busy cores (two pytest-xdist
+# workers beside a vLLM engine) it once took longer than this short read.
 STREAM_READ_S = 0.3
 # Every this many calls, one goes without the token.
 UNAUTHENTICATED_EVERY = 7
@@ -103,7 +107,8 @@ def _call(
     metadata = AUTH if token else ()
     try:
         if method.server_streaming:
-            stream = channel.unary_stream(path)(body, metadata=metadata, timeout=STREAM_READ_S)
+            timeout = STREAM_READ_S if token else UNARY_TIMEOUT_S
+            stream = channel.unary_stream(path)(body, metadata=metadata, timeout=timeout)
             with contextlib.suppress(StopIteration):
                 next(stream)
             stream.cancel()

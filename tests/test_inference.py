@@ -557,6 +557,7 @@ def test_in_flight_update_serves_the_new_weights_on_the_small_preset(
 
     from safetensors.torch import save_file
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     from services.config.inference import EngineConfig
     from services.inference.engine import Engine
@@ -569,7 +570,9 @@ def test_in_flight_update_serves_the_new_weights_on_the_small_preset(
     shutil.copytree(model_dir, new_dir)
     save_file(new_state, str(new_dir / "model.safetensors"), metadata={"format": "pt"})
     prompt = list(range(40, 72))
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+    greedy = SamplingParams(
+        temperature=0.0, max_tokens=24, logprobs=0, output_kind=RequestOutputKind.DELTA
+    )
 
     async def generate(engine: Engine) -> tuple[list[int], torch.Tensor]:
         chunks = [chunk async for chunk in engine.generate(prompt, greedy)]

@@ -31,7 +31,17 @@ def test_etude_run_brings_everything_up_and_down(tmp_path: Path) -> None:
         config,
         model_dir=tmp_path / "models" / "tiny",
         state_dir=tmp_path / "state",
-        extra={"launcher.base_model": ["cpt_steps = 1", "sft_steps = 1", "sft_tasks = 8"]},
+        extra={
+            "launcher.base_model": [
+                "cpt_steps = 1",
+                "sft_steps = 1",
+                "sft_tasks = 8",
+                # One multifile task's transcript joins the SFT data (the default harness's
+                # contexts: up to 2,048 tokens).
+                "sft_multifile_tasks = 1",
+                "sft_max_seq_len = 2048",
+            ]
+        },
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETUDE_")}
     # No Redis at this URL: the launcher must start its own.
@@ -48,6 +58,7 @@ def test_etude_run_brings_everything_up_and_down(tmp_path: Path) -> None:
     assert done.returncode == 0, output
     # The model did not exist: the launcher built it (factory model, CPT, SFT).
     assert "created the tiny factory model" in output
+    assert "multifile contexts from 1 tasks among" in output
     assert re.search(r"base model: sft 1 steps", output), output
     assert "started a private redis-server" in output
     assert re.search(r"all 5 services ready in [\d.]+ s", output), output
@@ -294,3 +305,23 @@ def test_rebuild_model_needs_fresh_and_deletes_only_a_model_etude_run_built(
     run._remove_model()
     assert not model_dir.exists() and not stages.exists()
     run._remove_model()  # nothing left to remove is not an error
+
+
+def test_a_failed_service_is_reported_with_the_end_of_its_log(tmp_path: Path) -> None:
+    from services.launcher.run import log_tail
+
+    log = tmp_path / "envs.log"
+    log.write_text(
+        "resolved config: "
+        + "x" * 5000
+        + "\n"
+        + "".join(f"line {i}\n" for i in range(30))
+        + "Traceback: ValueError: the cause\n"
+    )
+    tail = log_tail(log, lines=5, line_chars=40).splitlines()
+    assert tail == ["line 26", "line 27", "line 28", "line 29", "Traceback: ValueError: the cause"]
+    assert (
+        log_tail(log, lines=40, line_chars=40).splitlines()[0]
+        == "resolved config: " + "x" * 23 + " …"
+    )
+    assert log_tail(tmp_path / "missing.log").startswith("(unreadable:")

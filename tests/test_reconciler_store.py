@@ -1,4 +1,4 @@
-"""The reconciler's Lua scripts against the real Redis (127.0.0.1:6379)."""
+"""The reconciler's Lua scripts against the real Redis (127.0.0.1:6379, this worker's database)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from services.config.reconciler import ReconcilerConfig
 from services.objectstore import open_store
 from services.reconciler.store import SlotStore
 from services.wire.errors import FailedPrecondition, NotFound
+from tests.conftest import REDIS_URL
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 TRAIN, EVAL = common_pb2.SLOT_KIND_TRAIN, common_pb2.SLOT_KIND_EVAL
 
 

@@ -457,14 +457,23 @@ def _observed(prometheus: Prometheus, manifests: Manifests, cluster: Any) -> Non
     rate_interval_s = 4 * prometheus.scrape_s
     queries = dashboard_queries(manifests)
     assert len(queries) > 100, len(queries)
-    empty = [
-        f"{dashboard} / {title}: {expr}"
-        for dashboard, title, expr in queries
-        if not prometheus.query(
-            as_grafana_sends(expr, chart_check.NAMESPACE, "etude", rate_interval_s)
-        )
-    ]
-    assert empty == [], "\n".join(empty)
+    # A rate panel has data only while what it counts goes on (a tool call within the last
+    # rate interval): the queries still empty are asked again while the job runs.
+    empty = {f"{dashboard} / {title}": expr for dashboard, title, expr in queries}
+
+    def every_query_answers() -> bool:
+        for panel, expr in list(empty.items()):
+            sent = as_grafana_sends(expr, chart_check.NAMESPACE, "etude", rate_interval_s)
+            if prometheus.query(sent):
+                del empty[panel]
+        return not empty
+
+    wait_for(
+        "every dashboard query answers",
+        every_query_answers,
+        90,
+        lambda: "\n".join(f"{panel}: {expr}" for panel, expr in empty.items()),
+    )
     states = prometheus.rule_states()
     assert len(states) >= 10 and all(
         s["health"] == "ok" and not s["lastEvaluation"].startswith("0001-")  # 0001: never

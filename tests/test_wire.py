@@ -31,7 +31,7 @@ from services.wire.errors import InvalidArgument, NotFound
 from services.wire.interceptors import HANDED_BACK
 from services.wire.ports import ephemeral_start, free_port, free_ports, service_ports
 from services.wire.server import build_server, make_service, serve
-from services.wire.service import Service
+from services.wire.service import Readiness, Service
 
 TOKEN = "in-process-token"
 
@@ -392,12 +392,15 @@ async def test_calls_still_running_at_shutdown_are_handed_back_unavailable() -> 
             return ["etude.v1.InferenceService", "etude.v1.TrainerService"]
 
     port = free_port()
-    config = _config(port, ETUDE_TRAINER__GRPC__SHUTDOWN_GRACE_S="0.5")
+    config = _config(
+        port,
+        ETUDE_TRAINER__GRPC__SHUTDOWN_GRACE_S="0.5",
+        ETUDE_TRAINER__READINESS_INTERVAL_S="0.05",
+    )
     stop = asyncio.Event()
     listening = asyncio.Event()
-    serving = asyncio.create_task(
-        serve(make_service(_LingeringService, config), stop=stop, on_listening=listening.set)
-    )
+    service = make_service(_LingeringService, config)
+    serving = asyncio.create_task(serve(service, stop=stop, on_listening=listening.set))
     await listening.wait()
     before = _counter("GetStatus", "UNAVAILABLE")
 
@@ -414,8 +417,13 @@ async def test_calls_still_running_at_shutdown_are_handed_back_unavailable() -> 
             trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(common_pb2.StatusRequest())
         )
         await servicer.all_started.wait()
+        await asyncio.sleep(0.3)  # readiness re-checked every 0.05 s
+        assert service.readiness.ready, service.readiness
         stop.set()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # two readiness intervals into the grace
+        # Not ready again while it drains: the readiness monitor stopped with the server.
+        assert service.readiness == Readiness(False, "shutting down")
+        assert REGISTRY.get_sample_value("etude_service_ready", {"service": "trainer"}) == 0.0
         servicer.release.set()
         assert await quick_tokens == [7, 8]
         with pytest.raises(aio.AioRpcError) as handed_back:

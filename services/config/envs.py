@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, create_model, model_validator
+from pydantic.fields import FieldInfo
 
 from services.config import (
     MIB,
@@ -91,8 +93,8 @@ class RewardConfig(StrictModel):
     behaviour: BehaviourConfig = Field(default_factory=BehaviourConfig, description="Penalties.")
 
 
-class HarnessConfig(StrictModel):
-    """Budgets and sampling of one rollout."""
+class HarnessBudgets(StrictModel):
+    """Budgets of one rollout (a task family may replace any of them)."""
 
     max_turns: int = Field(8, ge=1, le=1000, description="Generations in a rollout.")
     max_tokens_per_turn: int = Field(256, ge=8, description="Tokens one generation may write.")
@@ -103,6 +105,29 @@ class HarnessConfig(StrictModel):
     max_summaries: int = Field(2, ge=0, description="Self-summaries before the rollout stops.")
     summary_tokens: int = Field(128, ge=8, description="Tokens a summary may take.")
     max_tool_output_tokens: int = Field(256, ge=8, description="Tool output shown to the model.")
+
+
+def _unset_by_default(model: type[StrictModel]) -> dict[str, Any]:
+    """`model`'s fields as optional ones, unset by default, each with its limits
+    (``Optional[...]``: an annotation held as a value takes no ``| None``)."""
+    return {
+        name: (Optional[info.annotation], FieldInfo.merge_field_infos(info, default=None))  # noqa: UP045
+        for name, info in model.model_fields.items()
+    }
+
+
+# A family's own budgets: each HarnessBudgets field, unset by default, with its limits.
+FamilyBudgets: type[StrictModel] = create_model(
+    "FamilyBudgets",
+    __base__=StrictModel,
+    __doc__="A task family's own budgets: each field set replaces the harness's.",
+    **_unset_by_default(HarnessBudgets),
+)
+
+
+class HarnessConfig(HarnessBudgets):
+    """Budgets and sampling of one rollout."""
+
     temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature.")
     command_timeout_s: float = Field(20.0, gt=0, description="Wall clock of one run() call.")
     seeded_sampling: bool = Field(
@@ -121,6 +146,30 @@ class HarnessConfig(StrictModel):
             "rollout (the rollout then ends on finish or a budget)."
         ),
     )
+    families: dict[str, FamilyBudgets] = Field(
+        default_factory=dict,
+        description="Budgets of a task family (by Task.family) where they differ from these: "
+        "work that must be summarized needs more turns and tokens than one context holds.",
+    )
+
+    @model_validator(mode="after")
+    def _family_names(self) -> HarnessConfig:
+        for family in self.families:
+            # A Task.family is an id (services.wire.errors.require_identifier's rule).
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}", family):
+                raise ValueError(
+                    f"harness.families: {family!r} is not a family name (1-256 letters, "
+                    "digits and '._:/-', starting with a letter or digit)"
+                )
+        return self
+
+    def for_family(self, family: str) -> HarnessConfig:
+        """These settings with `family`'s own budgets in place (and no family table)."""
+        budgets = self.families.get(family)
+        update: dict[str, object] = {"families": {}}
+        if budgets is not None:
+            update |= budgets.model_dump(exclude_none=True)
+        return self.model_copy(update=update)
 
 
 class EnvsConfig(ServiceConfig):

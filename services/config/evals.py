@@ -11,6 +11,7 @@ from services.config import (
     SharedConfig,
     StrictModel,
 )
+from services.config.envs import EnvsConfig
 
 
 class SuiteConfig(StrictModel):
@@ -117,6 +118,15 @@ class EvalsConfig(ServiceConfig):
             "version 0 adds, not the spread between tasks."
         ),
     )
+    reuse_base_scores: bool = Field(
+        True,
+        description=(
+            "Version 0's score is kept in the object store (eval-cache/base/) under a key of "
+            "the base weights, the suite's tasks, K and pass@k, and [envs]'s harness, rewards "
+            "and sandbox limits; a run with the same key takes it instead of sampling again "
+            "(the record names the run that sampled it). Off: every run scores version 0."
+        ),
+    )
     poll_interval_s: float = Field(
         10.0, gt=0, description="The store's latest version is checked this often besides notices."
     )
@@ -130,6 +140,12 @@ class EvalsConfig(ServiceConfig):
 
 
 class EvalsProcessConfig(SharedConfig):
-    """What the evals process reads: the shared sections and ``[evals]``."""
+    """What the evals process reads: the shared sections, ``[evals]`` and ``[envs]`` (for
+    the rollouts' settings only)."""
 
     evals: EvalsConfig = Field(default_factory=EvalsConfig, description="Evals service.")
+    envs: EnvsConfig = Field(
+        default_factory=EnvsConfig,
+        description="Envs service (the evals process reads its rollout settings: they are "
+        "part of the key of version 0's kept scores, evals.reuse_base_scores).",
+    )

@@ -64,6 +64,31 @@ class EngineConfig(StrictModel):
         "default (128 on CPU, 16 on CUDA). vLLM's CPU attention needs a multiple of 32.",
     )
     start_timeout_s: float = Field(600.0, gt=0, description="Give up starting the engine after.")
+    draft_dir: Path | None = Field(
+        None,
+        description="A draft exported from the policy's MTP head (etude model draft; "
+        "services/inference/mtp_draft.py): vLLM drafts speculative_tokens tokens a step with "
+        "it and the policy verifies them, so what is sampled does not change. Fixed at start: "
+        "in-flight updates change the policy, not the draft.",
+    )
+    speculative_tokens: int = Field(
+        0, ge=0, le=16, description="Tokens the draft proposes a step (with draft_dir)."
+    )
+
+    @model_validator(mode="after")
+    def _speculation(self) -> EngineConfig:
+        if (self.draft_dir is None) != (self.speculative_tokens == 0):
+            raise ValueError(
+                "speculative decoding needs both draft_dir and speculative_tokens >= 1; got "
+                f"draft_dir = {self.draft_dir}, speculative_tokens = {self.speculative_tokens}"
+            )
+        if self.draft_dir is not None and self.capture_routed_experts:
+            # Not yet shown to keep only the accepted tokens' routes (docs/inference.md).
+            raise ValueError(
+                "speculative decoding (draft_dir) and capture_routed_experts cannot be on "
+                "together yet: set capture_routed_experts = false to speculate"
+            )
+        return self
 
 
 class InferenceConfig(ServiceConfig):

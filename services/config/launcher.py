@@ -30,9 +30,23 @@ class BaseModelConfig(StrictModel):
         "returning it: an imperfect teacher, as demonstration data is. Imitation learns the "
         "habit; RL on test results can unlearn it. 0 gives a flawless teacher.",
     )
+    sft_multifile_tasks: int = Field(
+        0,
+        ge=0,
+        description="Multifile training tasks whose teacher transcripts (services/launcher/"
+        "teacher.py: the real harness under envs.harness's multifile budgets, summaries "
+        "included) join the SFT data, spread evenly among the synthetic ones; 0: none.",
+    )
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up of each stage, in steps.")
     tokens_per_step: int = Field(8192, ge=64, description="Tokens per optimizer step.")
     max_seq_len: int = Field(512, ge=16, description="Longer examples are truncated.")
+    sft_max_seq_len: int | None = Field(
+        None,
+        ge=16,
+        description="SFT's max_seq_len where it differs from CPT's (default: max_seq_len): "
+        "a transcript context runs up to the harness's context_tokens, and one cut would "
+        "lose the summary at its end, so a longer one is refused, not cut.",
+    )
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="Activation dtype of CPT and SFT (weights are float32 either way). On "

@@ -15,12 +15,27 @@ from services.config import (
     StrictModel,
 )
 
+GENERATOR_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
+class MixSource(StrictModel):
+    """One generator of a mixed feed, and its share of the feed's positions."""
+
+    generator: str = Field(
+        ..., pattern=GENERATOR_PATTERN, description="'module:function' (as the generator kind)."
+    )
+    weight: int = Field(
+        1, ge=1, le=1000, description="Positions this source takes in each cycle of the mix."
+    )
+
 
 class FeederConfig(StrictModel):
     """A task source that keeps a number of groups in flight (single epoch by default)."""
 
-    kind: Literal["jsonl", "generator"] = Field(
-        "jsonl", description="A JSON-lines file of Tasks, or a generator function."
+    kind: Literal["jsonl", "generator", "mix"] = Field(
+        "jsonl",
+        description="A JSON-lines file of Tasks, a generator function, or several generators "
+        "interleaved by weight.",
     )
     path: Path | None = Field(
         None, description="jsonl: file of Task messages in protobuf JSON, one per line."
@@ -34,10 +49,16 @@ class FeederConfig(StrictModel):
     )
     generator: str | None = Field(
         None,
-        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        pattern=GENERATOR_PATTERN,
         description="generator: 'module:function'; (position, seed) -> Task, or None at the end.",
     )
-    seed: int = Field(0, ge=0, description="generator: seed passed to the function.")
+    mix: list[MixSource] = Field(
+        default_factory=list,
+        max_length=64,
+        description="mix: the generators, each taking `weight` positions of every cycle of "
+        "sum(weights), spread evenly; the feed ends when a source ends.",
+    )
+    seed: int = Field(0, ge=0, description="generator, mix: seed passed to each function.")
     name: str = Field(
         "default", pattern=r"^[a-z0-9-]{1,40}$", description="Names the cursor kept in Redis."
     )
@@ -62,6 +83,14 @@ class FeederConfig(StrictModel):
             require_object_key(self.key, "reconciler.feeder.key")
         if self.kind == "generator" and self.generator is None:
             raise ValueError("feeder kind 'generator' needs generator (got generator = None)")
+        if (self.kind == "mix") != bool(self.mix):
+            raise ValueError(
+                "feeder kind 'mix' needs mix (a list of {generator, weight}), and only it "
+                f"takes one; got kind = {self.kind!r} with {len(self.mix)} mix sources"
+            )
+        generators = [source.generator for source in self.mix]
+        if len(set(generators)) != len(generators):
+            raise ValueError(f"feeder mix names a generator twice: {generators}")
         return self
 
 

@@ -268,9 +268,11 @@ class Sandbox(abc.ABC):
         env: Mapping[str, str],
         info_fd: int | None = None,
         started_fd: int | None = None,
+        go_fd: int | None = None,
     ) -> list[str]:
         """The argv that runs `argv` inside this sandbox, writing the command's host pid
-        (JSON) to `info_fd` and one byte to `started_fd` once the sandbox is set up."""
+        (JSON) to `info_fd` and one byte to `started_fd` once the sandbox is set up, then
+        waiting for a byte (or the end) on `go_fd` before the command runs."""
 
     def run_uid(self) -> int | None:
         """The uid commands drop to (None: keep the caller's)."""
@@ -337,13 +339,18 @@ class Sandbox(abc.ABC):
         started = time.perf_counter()
         uid = self.run_uid()
         # Read ends, write ends: the command's host pid, and a byte its sandbox writes
-        # once set up (the command itself never holds that fd).
+        # once set up (the command itself never holds that fd); and the go pipe, whose
+        # read end the sandbox waits on and whose write end stays here.
         pipes = [os.pipe(), os.pipe()] if self.reports_child_pid else []
         reads, writes = tuple(r for r, _ in pipes), tuple(w for _, w in pipes)
+        go_read, go_write = os.pipe() if pipes else (None, None)
+        passed = (*writes, go_read) if go_read is not None else ()
         try:
             process = subprocess.Popen(
                 _limited(
-                    config, uid, self.command(workspace, argv, full_env, *(writes or (None, None)))
+                    config,
+                    uid,
+                    self.command(workspace, argv, full_env, *(passed or (None, None, None))),
                 ),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -351,11 +358,12 @@ class Sandbox(abc.ABC):
                 cwd=workspace,
                 env=full_env,
                 start_new_session=True,
-                pass_fds=writes,
+                pass_fds=passed,
             )
         except OSError as error:
-            for fd in reads:
-                os.close(fd)
+            for fd in (*reads, go_write):
+                if fd is not None:
+                    os.close(fd)
             if error.errno not in (errno.EAGAIN, errno.ENOMEM):
                 raise
             # The host could not fork: nothing the command did.
@@ -371,8 +379,9 @@ class Sandbox(abc.ABC):
                 started=False,
             )
         finally:
-            for fd in writes:
-                os.close(fd)
+            for fd in (*writes, go_read):
+                if fd is not None:
+                    os.close(fd)
         outputs: dict[str, tuple[list[bytes], list[bool]]] = {
             "out": ([], [False]),
             "err": ([], [False]),
@@ -392,8 +401,12 @@ class Sandbox(abc.ABC):
             # Kept open until the end: bwrap dies of SIGPIPE if it writes to a closed pipe.
             child_pid = _read_child_pid(reads[0], wall)
             if child_pid is not None:
-                with contextlib.suppress(ProcessLookupError):  # it has already exited
+                with contextlib.suppress(ProcessLookupError):  # killed from outside
                     command_pidfd = os.pidfd_open(child_pid)
+        if go_write is not None:
+            with contextlib.suppress(BrokenPipeError):  # the sandbox never set itself up
+                os.write(go_write, b"g")
+            os.close(go_write)
         try:
             assert process.stdin is not None
             process.stdin.write(stdin)
@@ -507,13 +520,18 @@ class BubblewrapSandbox(Sandbox):
         env: Mapping[str, str],
         info_fd: int | None = None,
         started_fd: int | None = None,
+        go_fd: int | None = None,
     ) -> list[str]:
         if started_fd is not None and self._bash is not None:
             # Inside the sandbox, once bwrap has set it up: say so on a pipe, close it, and
             # become the command (still pid 1). The command never runs if setup failed, so
             # it cannot make a started sandbox look like one that failed to start.
-            script = f'{START_SIGNAL}{started_fd}; exec {started_fd}>&-; exec "$@"'
-            argv = [self._bash, "-c", script, "sh", *argv]
+            script = f"{START_SIGNAL}{started_fd}; exec {started_fd}>&-; "
+            if go_fd is not None:
+                # Held until the caller has the command's pidfd: then even a command that
+                # exits at once leaves its own wait status, not only bwrap's 128 + N.
+                script += f"read -r -n 1 _ <&{go_fd}; exec {go_fd}<&-; "
+            argv = [self._bash, "-c", script + 'exec "$@"', "sh", *argv]
         mounts = ["--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
             target = os.readlink(f"/{link}") if os.path.islink(f"/{link}") else None
@@ -631,6 +649,7 @@ class PodSandbox(Sandbox):
         env: Mapping[str, str],
         info_fd: int | None = None,
         started_fd: int | None = None,
+        go_fd: int | None = None,
     ) -> list[str]:
         # run() drops the uid and sets the rlimits, env and working dir; the reaper stays
         # the command's parent and takes every process it leaves behind with it.
@@ -649,6 +668,7 @@ class UnsafeLocalSandbox(Sandbox):
         env: Mapping[str, str],
         info_fd: int | None = None,
         started_fd: int | None = None,
+        go_fd: int | None = None,
     ) -> list[str]:
         return list(argv)
 

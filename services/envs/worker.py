@@ -203,24 +203,23 @@ class RolloutWorker:
         lease = slot.lease
         rollout_id = f"{lease.group_id}-{lease.sample_index}-a{lease.attempt}"
         workspace_id = await self._workspace(slot)
+        harness = self.harness_config.for_family(slot.task.family)
         try:
             grading = slot.task.grading
             tools = Tools(
                 self.workspaces,
                 workspace_id,
                 lambda ws: self.grade(self.workspaces, ws, grading),
-                self.harness_config.command_timeout_s,
+                harness.command_timeout_s,
             )
             # A seed that is the same in every process (str hashes are salted per process).
             seed = zlib.crc32(rollout_id.encode())
             generate = InferenceGenerator(
                 self.inference,
-                self.harness_config.temperature,
-                seed if self.harness_config.seeded_sampling else None,
+                harness.temperature,
+                seed if harness.seeded_sampling else None,
             )
-            result = await Harness(generate, self.tokenizer, self.harness_config).run(
-                slot.task, tools
-            )
+            result = await Harness(generate, self.tokenizer, harness).run(slot.task, tools)
             grade = await asyncio.to_thread(self.grade, self.workspaces, workspace_id, grading)
             comments = 0
             for path in sorted(tools.state.written):

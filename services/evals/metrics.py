@@ -51,6 +51,11 @@ LEFT_OUT = Gauge(
     ["suite"],
 )
 RUNS = Counter("etude_evals_runs_total", "Evals finished, by outcome.", ["suite", "state"])
+BASE_SCORES_REUSED = Counter(
+    "etude_evals_base_scores_reused_total",
+    "Evals of version 0 answered by the score kept from another run of the same base model.",
+    ["suite"],
+)
 RUNNING = Gauge("etude_evals_running", "Evals in progress in this process.")
 DURATION = Histogram(
     "etude_evals_duration_seconds",

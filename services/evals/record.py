@@ -117,6 +117,11 @@ class EvalRecord(_Model):
     tasks: list[TaskScore]
     started_at: float
     finished_at: float
+    reused_from: str | None = Field(
+        None,
+        description="Version 0 only: the run whose score of the same base model, tasks and "
+        "settings this is (services/evals/base_scores.py); None when this run sampled it.",
+    )
 
     def to_proto(self, stored: common_pb2.ObjectRef | None = None) -> evals_pb2.EvalResult:
         """The EvalResult message of this record (state DONE)."""

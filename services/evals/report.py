@@ -149,7 +149,8 @@ def _versions_table(records: Sequence[EvalRecord]) -> str:
                     f"v{by.min_version}"
                     if by.min_version == by.max_version
                     else f"v{by.min_version}-v{by.max_version}"
-                ),
+                )
+                + (f" (in run {r.reused_from})" if r.reused_from else ""),
                 r.num_tasks,
                 r.num_samples,
                 _with_interval(r.pass_at_1, r.pass_at_1_interval),
@@ -253,7 +254,9 @@ def render_html(
         "versions have). A version's figures use only the rollouts that version sampled "
         "alone (inference follows new versions while an eval runs): 'retried' counts the "
         "rollouts asked for again because an older version sampled them, 'left out' those "
-        "still sampled by other versions (by which), left out of every figure.</p>",
+        "still sampled by other versions (by which), left out of every figure. Version 0 "
+        "is scored once per base model, tasks and rollout settings: 'in run' names the run "
+        "whose score this run took.</p>",
         "<h2>Metrics by policy version</h2>",
         *(
             f"<img src='{html.escape(name)}' alt='{html.escape(alt)}' width='640' height='340'>"

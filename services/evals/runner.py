@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from services.api.v1 import common_pb2, reconciler_pb2
 from services.config.evals import EvalsConfig
 from services.evals import metrics
+from services.evals.base_scores import BaseScores
 from services.evals.record import EvalRecord, eval_id
 from services.evals.results import ResultsStore
 from services.evals.scoring import score
@@ -32,7 +33,7 @@ from services.evals.suites import Suite
 from services.evals.versions import TaskSamples, retry_key
 from services.objectstore.base import ObjectStore
 from services.reconciler_client import GroupDropped, ReconcilerClient
-from services.weights.manifest import Layout, read_latest
+from services.weights.manifest import Layout, WeightsError, read_latest, read_manifest
 from services.wire.errors import FailedPrecondition, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Evaluator:
         results: ResultsStore,
         weights_store: ObjectStore,
         on_result: Callable[[EvalRecord], Awaitable[None]],
+        base_scores: BaseScores | None = None,
     ) -> None:
         self.run = run
         self.suites = suites
@@ -84,6 +86,7 @@ class Evaluator:
         self.weights_store = weights_store
         self.layout = Layout(run)
         self.on_result = on_result
+        self.base_scores = base_scores  # None: version 0 is scored in every run
         self.running: dict[tuple[str, int], RunningEval] = {}
         self._starting = asyncio.Lock()  # one task per (suite, version), even when asked twice
         self.failed: dict[tuple[str, int], str] = {}
@@ -181,7 +184,7 @@ class Evaluator:
         started = time.time()
         metrics.RUNNING.inc()
         try:
-            record = await self._sample_and_score(suite, version, num_samples, started)
+            record = await self._score(suite, version, num_samples, started)
             info = await self.results.save(record)
         except Exception:
             metrics.RUNS.labels(suite.name, "FAILED").inc()
@@ -194,7 +197,7 @@ class Evaluator:
         interval = record.pass_at_1_interval
         log.info(
             "%s: pass@1 %.3f [%.3f, %.3f] over %d tasks x K=%d; %d generations retried, "
-            "%d left out (not sampled by v%d alone)",
+            "%d left out (not sampled by v%d alone)%s",
             record.eval_id,
             record.pass_at_1,
             interval.low if interval else record.pass_at_1,
@@ -204,10 +207,40 @@ class Evaluator:
             record.num_retried,
             record.num_left_out,
             record.policy_version,
+            f"; kept from run {record.reused_from}" if record.reused_from else "",
         )
         await self.on_result(record)
         stored = common_pb2.ObjectRef(key=info.key, size_bytes=info.size, sha256=info.sha256)
         return record, stored
+
+    async def _score(
+        self, suite: Suite, version: int, num_samples: int, started: float
+    ) -> EvalRecord:
+        """A fresh score; for version 0 the kept one of the same key when there is one, and
+        a fresh one kept (services.evals.base_scores)."""
+        key = None
+        if version == BASE_VERSION and self.base_scores is not None:
+            key = await asyncio.to_thread(self._base_key, suite, num_samples)
+            kept = None if key is None else await asyncio.to_thread(self.base_scores.load, key)
+            if kept is not None:
+                metrics.BASE_SCORES_REUSED.labels(suite.name).inc()
+                return kept.model_copy(update={"run": self.run, "reused_from": kept.run})
+        record = await self._sample_and_score(suite, version, num_samples, started)
+        if key is not None and self.base_scores is not None:
+            await asyncio.to_thread(self.base_scores.save, key, record)
+        return record
+
+    def _base_key(self, suite: Suite, num_samples: int) -> str | None:
+        """The key of version 0's score of `suite` with K `num_samples`; None when version
+        0's manifest cannot be read (the eval then samples and keeps nothing)."""
+        assert self.base_scores is not None
+        try:
+            manifest = read_manifest(self.weights_store, self.layout, BASE_VERSION)
+        except WeightsError as error:
+            log.warning("version 0's score of %s is not kept: %s", suite.name, error)
+            return None
+        tasks = self.base_plan(suite)[0]
+        return self.base_scores.key(manifest, suite, tasks, num_samples, self.settings.pass_at_k)
 
     async def _sample_and_score(
         self, suite: Suite, version: int, num_samples: int, started: float

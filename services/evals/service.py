@@ -24,6 +24,7 @@ from grpc import aio
 
 from services.api.v1 import common_pb2, evals_pb2, evals_pb2_grpc
 from services.config.evals import EvalsProcessConfig
+from services.evals.base_scores import BaseScores
 from services.evals.record import EvalRecord, eval_id
 from services.evals.report import render
 from services.evals.results import ResultsStore, read_record, report_prefix
@@ -152,6 +153,7 @@ class EvalsService(Service):
             results=self.results,
             weights_store=self.store,
             on_result=self._on_result,
+            base_scores=BaseScores(self.store, config.envs) if settings.reuse_base_scores else None,
         )
         self._stored: dict[str, dict[int, Stored]] = {}
         self._report_task: asyncio.Task[None] | None = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import json
 from typing import Any
 
 from services.api.v1 import common_pb2
@@ -26,6 +27,7 @@ FAMILIES: dict[str, str] = {
     "synthetic": "services.families.synthetic:SyntheticFamily",
     "humaneval": "services.families.humaneval:HumanEvalFamily",
     "repo": "services.families.repo:RepoFamily",
+    "multifile": "services.families.multifile:MultiFileFamily",
 }
 
 # Hidden grading files live here while a grading command runs; the directory is
@@ -96,3 +98,17 @@ def file_of(task: common_pb2.Task, path: str) -> str:
         if file.path == path:
             return file.content.decode()
     raise KeyError(f"task {task.task_id} has no workspace file {path!r}")
+
+
+def files_from_json(task: common_pb2.Task, completion: str) -> list[common_pb2.WorkspaceFile]:
+    """The files of a completion that is a JSON object mapping paths to their new content
+    (the repo and multifile families'); ValueError naming the task otherwise."""
+    try:
+        files = json.loads(completion)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{task.task_id}: a {task.family} completion is a JSON object: {error}"
+        ) from error
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise ValueError(f"{task.task_id}: a {task.family} completion maps paths to file contents")
+    return [common_pb2.WorkspaceFile(path=p, content=c.encode()) for p, c in files.items()]

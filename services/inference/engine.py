@@ -118,6 +118,14 @@ class Engine:
         kwargs: dict[str, Any] = {}
         if capture and self.on_cuda:
             kwargs["enable_return_routed_experts"] = True
+        if config.draft_dir is not None:
+            # The MTP head as an EAGLE draft (services.inference.mtp_draft, registered in
+            # every vLLM process by the package's vllm.general_plugins entry point).
+            kwargs["speculative_config"] = {
+                "method": "eagle",
+                "model": str(config.draft_dir),
+                "num_speculative_tokens": config.speculative_tokens,
+            }
         return AsyncEngineArgs(
             model=str(config.model_dir),
             dtype=self.dtype,
@@ -201,11 +209,16 @@ class Engine:
         serving now).
         """
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         if self._llm is None:
             raise RuntimeError("the engine is not started")
         if return_routed_experts and self.capture_mode == "off":
             raise RuntimeError("routed-expert capture is off on this replica")
+        if sampling.output_kind != RequestOutputKind.DELTA:
+            # Chunks are deltas (each at its offset); cumulative outputs would repeat
+            # tokens, as many times as the stream happened to deliver them.
+            raise ValueError("sampling.output_kind must be RequestOutputKind.DELTA")
         if not 0 <= routed_experts_from <= len(prompt_token_ids):
             raise ValueError(
                 f"routed_experts_from {routed_experts_from} is outside the prompt "

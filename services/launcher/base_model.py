@@ -39,6 +39,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from services.config.envs import HarnessConfig
 from services.config.launcher import BaseModelConfig
 from services.model_factory.presets import ModelPreset, PresetName
 
@@ -118,6 +119,43 @@ def sft_records(
         yield write
         if position % FINISH_EVERY == 0:
             yield finish
+
+
+def interleaved(first: list[Any], second: list[Any]) -> list[Any]:
+    """`first` with `second`'s items spread evenly among its own, each list's order kept."""
+    merged: list[Any] = []
+    taken = 0
+    for index, item in enumerate(first):
+        due = (index + 1) * len(second) // (len(first) + 1)
+        merged += second[taken:due]
+        taken = due
+        merged.append(item)
+    return merged + second[taken:]
+
+
+def multifile_lines(
+    settings: BaseModelConfig, tokenizer_dir: Path, harness: HarnessConfig
+) -> list[dict[str, list[int]]]:
+    """The teacher's transcripts of the first ``sft_multifile_tasks`` multifile training
+    tasks, in the model's ids; a context longer than SFT's max_seq_len is refused."""
+    from transformers import AutoTokenizer
+
+    from services.launcher.teacher import multifile_sft_records
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    max_seq_len = settings.sft_max_seq_len or settings.max_seq_len
+    lines = list(
+        multifile_sft_records(settings.seed, settings.sft_multifile_tasks, tokenizer, harness)
+    )
+    longest = max((len(line["token_ids"]) for line in lines), default=0)
+    if longest > max_seq_len:
+        raise ValueError(
+            f"a multifile transcript context has {longest} tokens, more than SFT's "
+            f"max_seq_len {max_seq_len}: cut, it would lose the summary at its end; raise "
+            "launcher.base_model.sft_max_seq_len to at least the multifile context_tokens "
+            f"({harness.for_family('multifile').context_tokens})"
+        )
+    return lines
 
 
 @dataclass
@@ -203,10 +241,16 @@ def _train_stage(
 
 
 def build_base_model(
-    preset: PresetName | ModelPreset, model_dir: Path, settings: BaseModelConfig, console: Console
+    preset: PresetName | ModelPreset,
+    model_dir: Path,
+    settings: BaseModelConfig,
+    console: Console,
+    harness: HarnessConfig | None = None,
 ) -> list[StageReport]:
     """Builds the model at ``model_dir`` (the SFT stage's output) from a factory model of
-    ``preset`` (a preset's name or a shape of its own); resumes finished stages."""
+    ``preset`` (a preset's name or a shape of its own); resumes finished stages.
+    `harness`: the budgets the multifile transcripts are made under (the run's
+    ``envs.harness``)."""
     from services.model_factory.build import init_model
 
     label = preset if isinstance(preset, str) else "custom"  # as the model card names it
@@ -245,8 +289,19 @@ def build_base_model(
         )
     data_file = stages / "sft.jsonl"
     partial = data_file.with_suffix(".jsonl.partial")
+    records: list[Any] = list(
+        sft_records(settings.seed, settings.sft_tasks, settings.sft_flawed_fraction)
+    )
+    if settings.sft_multifile_tasks:
+        with console.status("base model: the teacher's multifile transcripts"):
+            lines = multifile_lines(settings, init_dir, harness or HarnessConfig())
+        console.print(
+            f"base model: {len(lines)} multifile contexts from {settings.sft_multifile_tasks} "
+            f"tasks among {len(records)} SFT examples"
+        )
+        records = interleaved(records, lines)
     with partial.open("w") as out:
-        for record in sft_records(settings.seed, settings.sft_tasks, settings.sft_flawed_fraction):
+        for record in records:
             out.write(json.dumps(record) + "\n")
     partial.replace(data_file)
     reports.append(
@@ -258,7 +313,7 @@ def build_base_model(
                 "kind": "jsonl",
                 "path": str(data_file),
                 "tokens_per_step": settings.tokens_per_step,
-                "max_seq_len": settings.max_seq_len,
+                "max_seq_len": settings.sft_max_seq_len or settings.max_seq_len,
             },
             steps=settings.sft_steps,
             lr=settings.sft_lr,

@@ -120,6 +120,20 @@ def _probe(config: EtudeConfig, service: ServiceName) -> ServiceState:
     return ServiceState(ready, detail)
 
 
+def log_tail(path: Path, lines: int = 20, line_chars: int = 400) -> str:
+    """The last `lines` lines of a service's log, each cut to `line_chars` (the resolved
+    config a service logs at start is one long line): why it exited, where a run failed
+    and only its message is kept (CI)."""
+    try:
+        with path.open("rb") as log_file:
+            log_file.seek(max(0, log_file.seek(0, os.SEEK_END) - 64 * 1024))
+            text = log_file.read().decode(errors="replace")
+    except OSError as error:
+        return f"(unreadable: {error.strerror})"
+    kept = text.splitlines()[-lines:]
+    return "\n".join(line if len(line) <= line_chars else line[:line_chars] + " …" for line in kept)
+
+
 def enabled_suites(config: EtudeConfig) -> list[str]:
     """The eval suites the evals service scores every version on."""
     from services.config.evals import SuiteConfig
@@ -338,7 +352,13 @@ class LocalRun:
 
         preset = self.config.launcher.model_preset
         self.console.print(f"model: building the {preset} base model at {model_dir} (CPT + SFT)")
-        build_base_model(preset, model_dir, self.config.launcher.base_model, self.console)
+        build_base_model(
+            preset,
+            model_dir,
+            self.config.launcher.base_model,
+            self.console,
+            harness=self.config.envs.harness,
+        )
 
     # -- processes ------------------------------------------------------------------
 
@@ -387,7 +407,8 @@ class LocalRun:
             if supervised.restarts >= settings.max_restarts:
                 logs = self.state_dir / "logs" / f"{name}.log"
                 raise RunFailed(
-                    f"{name} exited {code} after {supervised.restarts} restarts; see {logs}"
+                    f"{name} exited {code} after {supervised.restarts} restarts; see {logs}, "
+                    f"which ends:\n{log_tail(logs)}"
                 )
             supervised.restarts += 1
             delay = min(settings.restart_backoff_s * 2 ** (supervised.restarts - 1), 30.0)

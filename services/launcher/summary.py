@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import json
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,9 @@ class SuiteScores:
     # one) over all the suite's evals: each score uses only its own version's samples.
     num_retried: int = 0
     num_left_out: int = 0
+    # The run whose score of version 0 (same base model, tasks and settings) this run took
+    # instead of sampling it again; None when this run sampled it.
+    first_reused_from: str | None = None
 
     @property
     def gain_points(self) -> float:
@@ -63,8 +66,25 @@ class SuiteScores:
 
 
 @dataclass
-class RunSummary:
-    """What ``etude run`` prints and writes as ``summary.json``."""
+class RecordFigures:
+    """What the run's stored rollout records show."""
+
+    # Routed-expert bytes the stored rollouts carry: mean per rollout and per token (each
+    # row once, so linear in a rollout's tokens; None without records or routing).
+    routing_bytes_per_rollout: float | None = None
+    routing_bytes_per_token: float | None = None
+    # Trained rollouts (of the trained groups) that summarized at least once, of those with
+    # a record, and the mean task reward of each side (None for a side with none).
+    rollouts_summarized: int = 0
+    rollouts_with_records: int = 0
+    task_reward_summarized: float | None = None
+    task_reward_unsummarized: float | None = None
+
+
+@dataclass(kw_only=True)
+class RunSummary(RecordFigures):
+    """What ``etude run`` prints and writes as ``summary.json`` (with what the stored
+    rollout records show)."""
 
     run: str
     steps: int
@@ -87,10 +107,6 @@ class RunSummary:
     # how many of them the trainer left out of the gradient (rl.skip_uniform_task_groups).
     groups_uniform_task_reward: int = 0
     groups_skipped_uniform: int = 0
-    # Routed-expert bytes the stored rollouts carry: mean per rollout and per token (each
-    # row once, so linear in a rollout's tokens; None without records or routing).
-    routing_bytes_per_rollout: float | None = None
-    routing_bytes_per_token: float | None = None
     # Trained tokens by version lag (trainer version - generating version; LAG_BUCKETS, and
     # "unknown" when some had no version span), their mean importance ratio by lag
     # (token-weighted over the run, lags with tokens only), and the mean lag.
@@ -154,6 +170,7 @@ def suite_scores(evals: Mapping[str, Mapping[int, EvalRecord]]) -> list[SuiteSco
                 first_num_samples=first.num_samples,
                 num_retried=sum(r.num_retried for r in versions.values()),
                 num_left_out=sum(r.num_left_out for r in versions.values()),
+                first_reused_from=first.reused_from,
             )
         )
     return scores
@@ -172,9 +189,11 @@ def _bracket(bounds: tuple[float, float] | None, scale: float = 1.0, sign: str =
     return f" [{low}, {high}]"
 
 
-def routing_bytes(store: ObjectStore, run: str) -> tuple[float | None, float | None]:
-    """Mean routed-expert bytes per stored rollout record of ``run``, and per token."""
+def record_figures(store: ObjectStore, run: str, trained_groups: Set[str]) -> RecordFigures:
+    """Routing bytes over every stored rollout record of ``run``; self-summaries and task
+    rewards over those of `trained_groups`."""
     num_records = num_bytes = num_tokens = 0
+    rewards: dict[bool, list[float]] = {True: [], False: []}
     for key in store.list(f"rollouts/{run}/"):
         try:
             record = common_pb2.RolloutRecord.FromString(store.get(key))
@@ -183,9 +202,23 @@ def routing_bytes(store: ObjectStore, run: str) -> tuple[float | None, float | N
         num_records += 1
         num_bytes += sum(len(s.routed_experts.data) for s in record.segments)
         num_tokens += sum(len(s.token_ids) for s in record.segments)
-    if not num_records or not num_bytes:
-        return None, None
-    return num_bytes / num_records, num_bytes / max(num_tokens, 1)
+        if record.summary.group_id in trained_groups:
+            summarized = record.summary.stats.num_summaries > 0
+            rewards[summarized].append(record.summary.reward.task)
+    figures = RecordFigures(
+        rollouts_summarized=len(rewards[True]),
+        rollouts_with_records=len(rewards[True]) + len(rewards[False]),
+        task_reward_summarized=_mean(rewards[True]),
+        task_reward_unsummarized=_mean(rewards[False]),
+    )
+    if num_records and num_bytes:
+        figures.routing_bytes_per_rollout = num_bytes / num_records
+        figures.routing_bytes_per_token = num_bytes / max(num_tokens, 1)
+    return figures
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def lag_figures(
@@ -247,9 +280,10 @@ def summarize(run: str, shot: Snapshot, store: ObjectStore) -> RunSummary:
     waits = sum(float(r.get("time_wait_s", 0.0)) for r in steps)
     computes = sum(float(r.get("time_compute_s", 0.0)) for r in steps)
     wall = [float(r["time"]) for r in steps if "time" in r]
-    per_rollout, per_token = routing_bytes(store, run)
+    from_records = record_figures(store, run, set(trained))
     tokens_by_lag, is_ratio_by_lag, lag_mean = lag_figures(steps)
     return RunSummary(
+        **asdict(from_records),
         run=run,
         steps=len(steps),
         groups_trained=len(trained),
@@ -283,8 +317,6 @@ def summarize(run: str, shot: Snapshot, store: ObjectStore) -> RunSummary:
         groups_skipped_uniform=int(
             sum(float(r.get("skipped_group_uniform_task_reward", 0.0)) for r in steps)
         ),
-        routing_bytes_per_rollout=per_rollout,
-        routing_bytes_per_token=per_token,
         tokens_by_lag=tokens_by_lag,
         is_ratio_by_lag=is_ratio_by_lag,
         version_lag_mean=lag_mean,
@@ -385,6 +417,19 @@ def write_report(
     return out / "index.html"
 
 
+def _summarized(summary: RunSummary) -> str:
+    """Trained rollouts that summarized, and their task reward against the others'."""
+    share = summary.rollouts_summarized / summary.rollouts_with_records
+    text = (
+        f"{summary.rollouts_summarized} of {summary.rollouts_with_records} trained "
+        f"({100 * share:.0f}%)"
+    )
+    with_, without = summary.task_reward_summarized, summary.task_reward_unsummarized
+    if with_ is not None and without is not None:
+        text += f"; task reward {with_:.3f} with a summary, {without:.3f} without"
+    return text
+
+
 def print_summary(console: Console, summary: RunSummary, report: Path | None) -> None:
     """The table at the end of ``etude run``."""
     table = Table(title=f"run {summary.run}", show_header=False)
@@ -400,8 +445,9 @@ def print_summary(console: Console, summary: RunSummary, report: Path | None) ->
             f"{_bracket(scores.first_interval)} -> "
             f"v{scores.last_version} {scores.last_pass_at_1:.3f}{_bracket(scores.last_interval)} "
             f"({gain}; v{scores.first_version} {scores.first_num_tasks} tasks x "
-            f"{scores.first_num_samples}, v{scores.last_version} {scores.num_tasks} tasks x "
-            f"{scores.num_samples})",
+            f"{scores.first_num_samples}"
+            + (f", scored in run {scores.first_reused_from}" if scores.first_reused_from else "")
+            + f", v{scores.last_version} {scores.num_tasks} tasks x {scores.num_samples})",
         )
     if summary.suites:
         table.add_row(
@@ -479,6 +525,8 @@ def print_summary(console: Console, summary: RunSummary, report: Path | None) ->
             f"{summary.routing_bytes_per_rollout:,.0f} (mean; "
             f"{summary.routing_bytes_per_token or 0:.1f} per token)",
         )
+    if summary.rollouts_with_records:
+        table.add_row("rollouts that summarized", _summarized(summary))
     if summary.trainer_wait_fraction is not None:
         table.add_row("trainer waiting for data", f"{100 * summary.trainer_wait_fraction:.0f}%")
     if summary.seconds_per_step is not None:

@@ -69,15 +69,22 @@ def parse_tasks(text: str, source: str) -> list[common_pb2.Task]:
     return tasks
 
 
+Generator = Callable[[int, int], common_pb2.Task | None]
+
+
+def load_generator(spec: str) -> Generator:
+    """The function a ``module:function`` spec names."""
+    module, _, name = spec.partition(":")
+    function: Generator = getattr(importlib.import_module(module), name)
+    return function
+
+
 class GeneratorTaskFeeder(TaskFeeder):
     """Tasks made on demand by ``function(position, seed) -> Task | None`` (None ends it)."""
 
     def __init__(self, config: FeederConfig) -> None:
         assert config.generator is not None  # the config validator guarantees it
-        module, _, name = config.generator.partition(":")
-        self._make: Callable[[int, int], common_pb2.Task | None] = getattr(
-            importlib.import_module(module), name
-        )
+        self._make = load_generator(config.generator)
         self._seed = config.seed
 
     def tasks_from(self, position: int, count: int) -> list[common_pb2.Task]:
@@ -91,10 +98,60 @@ class GeneratorTaskFeeder(TaskFeeder):
         return tasks
 
 
+def mix_schedule(weights: list[int]) -> list[tuple[int, int]]:
+    """One cycle of a weighted mix: for each of its sum(weights) positions, the source and
+    how many positions of that source came earlier in the cycle. Smooth weighted round
+    robin: each source's positions are spread evenly over the cycle, never bunched."""
+    total = sum(weights)
+    credit = [0] * len(weights)
+    taken = [0] * len(weights)
+    cycle = []
+    for _ in range(total):
+        credit = [c + w for c, w in zip(credit, weights, strict=True)]
+        source = max(range(len(weights)), key=lambda i: (credit[i], -i))
+        credit[source] -= total
+        cycle.append((source, taken[source]))
+        taken[source] += 1
+    return cycle
+
+
+class MixTaskFeeder(TaskFeeder):
+    """Several generators interleaved by weight: position p is source s's position
+    ``(p // cycle) * weight_s + rank``, so each source's tasks come in its own order, none
+    skipped or repeated, and a restart from a cursor resumes every source where it was.
+    The feed ends at the first position whose source has ended (the shares hold to the
+    end)."""
+
+    def __init__(self, config: FeederConfig) -> None:
+        self._makes = [load_generator(source.generator) for source in config.mix]
+        self._weights = [source.weight for source in config.mix]
+        self._cycle = mix_schedule(self._weights)
+        self._seed = config.seed
+
+    def source_of(self, position: int) -> tuple[int, int]:
+        """The source of feed position `position`, and the position within that source."""
+        cycles, offset = divmod(position, len(self._cycle))
+        source, rank = self._cycle[offset]
+        return source, cycles * self._weights[source] + rank
+
+    def tasks_from(self, position: int, count: int) -> list[common_pb2.Task]:
+        tasks = []
+        for index in range(position, position + count):
+            source, at = self.source_of(index)
+            task = self._makes[source](at, self._seed)
+            if task is None:
+                break
+            validate_task(task, f"mixed task {index} (source {source}, position {at})")
+            tasks.append(task)
+        return tasks
+
+
 def build_feeder(config: FeederConfig, store: ObjectStore | None = None) -> TaskFeeder:
     """The feeder `config.kind` names (`store`: where a ``key`` is read from)."""
     if config.kind == "jsonl":
         return JsonlTaskFeeder(config, store)
+    if config.kind == "mix":
+        return MixTaskFeeder(config)
     return GeneratorTaskFeeder(config)
 
 

@@ -3,7 +3,9 @@
 An example is a token list and, per token, whether it is trained as a target. Text
 (the generated code corpus, or ``{"text": ...}`` lines) is trained on every token and
 cut into chunks of ``max_seq_len``; a ``{"prompt": ..., "completion": ...}`` pair is
-trained on the completion only (the loss mask) and truncated to ``max_seq_len``.
+trained on the completion only (the loss mask) and truncated to ``max_seq_len``, and a
+``{"token_ids": [...], "loss_mask": [...]}`` transcript (a harness context in the
+model's own ids: ``services.launcher.teacher``) where its mask is 1, truncated alike.
 Examples come in a fixed order from a source; the cursor is the index of the next
 example, so a checkpoint's cursor resumes the stream exactly (re-reading the skipped
 examples: O(cursor), cheap next to a training step). Single epoch: a JSON-lines source
@@ -76,7 +78,8 @@ class CorpusSource(ExampleSource):
 
 
 class JsonlSource(ExampleSource):
-    """``{"text": ...}`` or ``{"prompt": ..., "completion": ...}`` per line; ends at EOF."""
+    """``{"text": ...}``, ``{"prompt": ..., "completion": ...}`` or ``{"token_ids": ...,
+    "loss_mask": ...}`` per line; ends at EOF."""
 
     def __init__(self, tokenizer: Any, max_seq_len: int, path: Path) -> None:
         super().__init__(tokenizer, max_seq_len)
@@ -92,6 +95,8 @@ class JsonlSource(ExampleSource):
                 item = json.loads(line)
                 if "text" in item:
                     yield from _chunks(self.encode(item["text"]), self.max_seq_len)
+                elif "token_ids" in item and "loss_mask" in item:
+                    yield from self._transcript(item, number)
                 elif "prompt" in item and "completion" in item:
                     prompt, completion = (
                         self.encode(item["prompt"]),
@@ -103,8 +108,23 @@ class JsonlSource(ExampleSource):
                         yield Example(tokens, trained)
                 else:
                     raise ValueError(
-                        f"{self.path}:{number}: a line needs 'text' or 'prompt' and 'completion'"
+                        f"{self.path}:{number}: a line needs 'text', 'prompt' and 'completion', "
+                        "or 'token_ids' and 'loss_mask'"
                     )
+
+    def _transcript(self, item: dict[str, Any], number: int) -> Iterator[Example]:
+        """A transcript in token ids, as the harness laid it out (nothing retokenized),
+        trained where its loss mask is 1."""
+        tokens, mask = item["token_ids"], item["loss_mask"]
+        if len(tokens) != len(mask) or not all(isinstance(t, int) for t in tokens):
+            raise ValueError(
+                f"{self.path}:{number}: token_ids must be integers, as many as loss_mask "
+                f"({len(tokens)} token ids, {len(mask)} mask entries)"
+            )
+        tokens = tokens[: self.max_seq_len]
+        trained = [bool(flag) for flag in mask[: len(tokens)]]
+        if len(tokens) >= 2 and any(trained[1:]):
+            yield Example(tokens, trained)
 
 
 def open_source(data: DataConfig, model_dir: Path) -> ExampleSource:

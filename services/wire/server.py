@@ -190,13 +190,10 @@ async def serve(
     started = asyncio.Event()
     start_task = asyncio.create_task(_start(service, started), name="start")
     stop_task = asyncio.create_task(stop.wait(), name="stop")
-    pending = {
-        start_task,
-        stop_task,
-        asyncio.create_task(
-            _monitor_readiness(service, health_servicer, names, started), name="readiness"
-        ),
-    }
+    readiness_task = asyncio.create_task(
+        _monitor_readiness(service, health_servicer, names, started), name="readiness"
+    )
+    pending = {start_task, stop_task, readiness_task}
     if settings.http.port:
         http = serve_http(service, settings.http.host, settings.http.port, stop)
         pending.add(asyncio.create_task(http, name="http"))
@@ -213,7 +210,11 @@ async def serve(
             log.error("%s failed: %r", service.name, failure, exc_info=failure)
     finally:
         log.info("%s shutting down", service.name)
+        # The readiness monitor stops first: left running through the grace, it set the
+        # service ready again (/readyz, etude_service_ready) while it drained.
+        readiness_task.cancel()
         service.readiness = Readiness(False, "shutting down")
+        READY.labels(service.name).set(0.0)
         await health_servicer.enter_graceful_shutdown()
         # New calls are refused at once (GOAWAY); those in flight get the grace to
         # finish, and the rest are handed back UNAVAILABLE so their callers retry.

@@ -21,7 +21,6 @@ format: a command ``python3 .etude-grading/runner.py tests/`` (the shipped runne
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import tomllib
@@ -33,7 +32,7 @@ from pydantic import Field, ValidationError
 
 from services.api.v1 import common_pb2
 from services.config import MIB, StrictModel
-from services.families import TaskFamily
+from services.families import TaskFamily, files_from_json
 
 MAX_WORKSPACE_BYTES = 16 * MIB
 _SKIPPED_DIRS = {".git", "__pycache__", ".mypy_cache", ".pytest_cache", ".venv"}
@@ -163,12 +162,4 @@ class RepoFamily(TaskFamily):
         self, task: common_pb2.Task, completion: str
     ) -> list[common_pb2.WorkspaceFile]:
         """A completion is a JSON object mapping workspace paths to their new content."""
-        try:
-            files = json.loads(completion)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"{task.task_id}: a repo completion is a JSON object: {error}"
-            ) from error
-        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-            raise ValueError(f"{task.task_id}: a repo completion maps paths to file contents")
-        return [common_pb2.WorkspaceFile(path=p, content=c.encode()) for p, c in files.items()]
+        return files_from_json(task, completion)

@@ -65,7 +65,8 @@ def is_training_name(name: str) -> bool:
     return not _set_aside(f"name:{name}")
 
 
-def _spec(split: str, position: int, seed: int) -> FunctionSpec:
+def spec_at(split: str, position: int, seed: int) -> FunctionSpec:
+    """The function of the task at `position` of `split` (its level: ``position % 4``)."""
     level = position % NUM_LEVELS
     novel, training = split == "novel", split == "train"
     for attempt in range(_MAX_DRAWS):
@@ -94,7 +95,7 @@ def make_task(split: str, position: int, seed: int) -> common_pb2.Task:
         )
     if position < 0:
         raise ValueError(f"synthetic task position must be >= 0, got {position}")
-    spec = _spec(split, position, seed)
+    spec = spec_at(split, position, seed)
     example_call, example_value = spec.calls[0], expected_values(spec)[0]
     instruction = (
         f"Write a Python function `{spec.name}({spec.params})` in {SOLUTION_PATH} that "
