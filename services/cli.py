@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, cast
 
@@ -275,6 +276,10 @@ def bench(
     """Measure figures against a same-run baseline (see services/bench)."""
     from services.bench import BENCHMARKS, BenchSettingError, load
 
+    if as_json:
+        # Standard output is the JSON alone: vLLM logs to it unless told otherwise (its
+        # engine processes inherit the setting).
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     names = sorted(BENCHMARKS) if name == "all" else [name]
     all_ok = True
     for bench_name in names:

@@ -1,6 +1,8 @@
 """Loading straight into each rank's shards (``Runtime.load_model``) gives every rank
 exactly the shards that loading the whole model and then sharding it gives, for dense
-and expert tensors, MTP heads included; in gloo processes."""
+and expert tensors, MTP heads included; and the ranks' served shards
+(``Runtime.served_weights``) are together exactly the one-process served weights, the
+first MTP head's draft included, each tensor from one rank; in gloo processes."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import torch
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from services.draft_layout import DRAFT_PREFIX
 from services.trainer.distributed.layout import ParallelLayout
 from services.trainer.distributed.loading import chunk_rows
 from services.trainer.distributed.parallelize import parallelize
 from services.trainer.distributed.runtime import ProcessInfo, start
-from services.trainer.model import Architecture, load_pretrained
+from services.trainer.model import Architecture, load_pretrained, to_hf
 from services.wire.ports import free_port
 
 
@@ -47,6 +50,15 @@ def _worker(rank: int, world_size: int, port: int, model_dir: str, dp: int, ep: 
             assert isinstance(tensor, DTensor), name
             assert tensor.placements == expected[name].placements, name
             assert torch.equal(tensor.to_local(), expected[name].to_local()), name
+        served = runtime.served_weights(sharded)
+        reference = to_hf(load_pretrained(Path(model_dir), seed=3, **options), draft=True)
+        assert any(name.startswith(DRAFT_PREFIX) for name in reference)
+        for name, tensor in served.items():
+            assert torch.equal(tensor, reference[name]), name
+        names: list[list[str] | None] = [None] * world_size
+        torch.distributed.all_gather_object(names, sorted(served))
+        assert sum(len(part or []) for part in names) == len(reference)
+        assert set().union(*(part or [] for part in names)) == set(reference)
     finally:
         runtime.close()
 

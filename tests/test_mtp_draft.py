@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.config.inference import EngineConfig
+from services.draft_layout import DRAFT_PREFIX, published_draft, split_draft
 from services.inference.mtp_draft import (
+    ACCEPTED,
     ARCHITECTURE,
     DRAFTED,
     DRAFTS,
@@ -52,6 +54,25 @@ def test_a_head_exports_as_a_one_layer_draft(tiny_model: Path, tmp_path: Path) -
     )
     # Every tensor of the head is in the draft, once (gate_up as two).
     assert len(written) == len(source) + 1
+
+
+def test_a_heads_tensors_map_one_by_one_as_the_whole_head_does(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """What a sharded job publishes tensor by tensor is the draft the whole head makes;
+    deeper heads publish nothing; a version splits back into model and draft."""
+    heads = load_file(str(head_file(tiny_model, tmp_path / "mtp.safetensors")))
+    deeper = {n.replace("mtp.0.", "mtp.1."): t for n, t in heads.items()}
+    published: dict[str, torch.Tensor] = {}
+    for name, tensor in {**heads, **deeper}.items():
+        published |= published_draft(name, tensor)
+    whole = draft_tensors(heads)
+    assert published.keys() == {DRAFT_PREFIX + name for name in whole}
+    for name, tensor in whole.items():
+        assert torch.equal(published[DRAFT_PREFIX + name], tensor), name
+    served = {"model.norm.weight": torch.ones(2), **published}
+    model, draft = split_draft(served)
+    assert list(model) == ["model.norm.weight"] and draft.keys() == whole.keys()
 
 
 def test_a_draft_is_refused_when_it_cannot_be_made(tiny_model: Path, tmp_path: Path) -> None:
@@ -119,6 +140,91 @@ def test_the_draft_speculates_and_changes_nothing_sampled(tiny_model: Path, tmp_
     speculated, counts = asyncio.run(serve(draft))
     assert speculated == plain
     assert counts[DRAFTS] > 0 and counts[DRAFTED] == 2 * counts[DRAFTS]
+
+
+def copy_head(model_dir: Path) -> dict[str, torch.Tensor]:
+    """A head that proposes the token just sampled once more: the target's own greedy
+    choice at the position before (``proj`` passes the normed hidden state through, the
+    attention and MLP add nothing, and the LM head's argmax of a positive multiple of the
+    target's last hidden state is the target's). It is accepted exactly where the target
+    repeats a token, which a random model's greedy output does often."""
+    arch = Architecture.from_model_dir(model_dir)
+    head = MTPHead(arch)
+    head.reset_parameters(torch.Generator().manual_seed(0))
+    width = arch.hidden_size
+    with torch.no_grad():
+        head.hidden_norm.weight.fill_(1.0)
+        head.final_norm.weight.fill_(1.0)
+        head.proj.weight.zero_()
+        head.proj.weight[:, :width] = torch.eye(width)
+        head.attn.o_proj.weight.zero_()
+        head.down.weight.zero_()
+    return {f"mtp.0.{n}": p.detach().clone() for n, p in head.named_parameters()}
+
+
+def test_a_version_brings_its_draft_into_the_running_engine(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A published version's MTP draft (under ``DRAFT_PREFIX``) replaces the running
+    engine's draft in flight: after the update the engine accepts exactly the tokens an
+    engine started with that draft accepts, and not those its first draft did. An engine
+    that does not speculate takes the same version and leaves the draft out."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from services.inference.engine import Engine
+    from services.trainer.model import load_pretrained, to_hf
+
+    random_file = head_file(tiny_model, tmp_path / "random.safetensors")
+    copy_file = tmp_path / "copy.safetensors"
+    save_file(copy_head(tiny_model), str(copy_file))
+    random_draft = export_draft(tiny_model, tmp_path / "random", mtp_file=random_file)
+    copy_draft = export_draft(tiny_model, tmp_path / "copy", mtp_file=copy_file)
+    # Version 1: the same policy, the copy head as its draft (as the trainer publishes it).
+    model = load_pretrained(tiny_model, dtype=torch.float32, num_mtp_heads=1, seed=0)
+    model.mtp.load_state_dict(
+        {n.removeprefix("mtp."): t for n, t in load_file(str(copy_file)).items()}
+    )
+    version = to_hf(model, draft=True)
+    assert {n.removeprefix(DRAFT_PREFIX) for n in version if n.startswith(DRAFT_PREFIX)} == set(
+        draft_tensors(load_file(str(copy_file)))
+    )
+    prompts = [[7] * 24, list(range(40, 72)), [3, 9] * 12, [11, 12, 13] * 8, [5] * 8]
+    greedy = SamplingParams(
+        temperature=0.0, max_tokens=64, logprobs=0, output_kind=RequestOutputKind.DELTA
+    )
+
+    async def accepted(draft_dir: Path | None, update: bool) -> tuple[float, list[list[int]]]:
+        engine = Engine(
+            EngineConfig(
+                model_dir=tiny_model,
+                max_num_seqs=1,
+                max_model_len=256,
+                cpu_kv_cache_gib=0.25,
+                capture_routed_experts=False,
+                draft_dir=draft_dir,
+                speculative_tokens=2 if draft_dir else 0,
+            )
+        )
+        await engine.start()
+        try:
+            if update:
+                await engine.apply_weights(version, 1)
+            before = speculation_counts()
+            outputs = []
+            for prompt in prompts:
+                chunks = [chunk async for chunk in engine.generate(prompt, greedy)]
+                outputs.append([t for c in chunks for t in c.token_ids])
+            return speculation_counts()[ACCEPTED] - before[ACCEPTED], outputs
+        finally:
+            await engine.stop()
+
+    first, first_outputs = asyncio.run(accepted(random_draft, update=False))
+    updated, updated_outputs = asyncio.run(accepted(random_draft, update=True))
+    started, _ = asyncio.run(accepted(copy_draft, update=False))
+    _, plain_outputs = asyncio.run(accepted(None, update=True))
+    assert updated == started and updated != first, (first, updated, started)
+    assert updated_outputs == first_outputs == plain_outputs
 
 
 def test_heads_fit_to_a_frozen_model(tiny_model: Path, tmp_path: Path) -> None:

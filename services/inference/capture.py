@@ -59,6 +59,7 @@ class RoutingCapture:
     """Mixed into vLLM's worker class; methods are called with ``collective_rpc``."""
 
     model_runner: Any
+    vllm_config: Any
 
     def etude_capture_enable(self, enabled: bool, max_model_len: int) -> tuple[int, int]:
         """Binds (or unbinds) the capture callbacks; returns (moe layers, top_k). Forgets
@@ -213,6 +214,34 @@ class RoutingCapture:
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
         self._etude_repack_cpu_experts()
         return len(tensors)
+
+    def etude_load_draft_weights(self, path: str) -> int:
+        """Loads the speculative draft's weights (a published version's MTP draft, under
+        the draft's names) from a safetensors file into the running draft model.
+
+        The draft's own layers go through vLLM's layerwise reload, as the target's do
+        (``reload_weights``: on CPU its linear layers keep prepacked weights, which a
+        plain copy into the parameters would not reach). The embedding and LM head it
+        shares with the target are left out: they are the target's, reloaded with it.
+        """
+        from safetensors.torch import load_file
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        draft = getattr(getattr(self.model_runner, "drafter", None), "model", None)
+        speculative = self.vllm_config.speculative_config
+        if draft is None or speculative is None or speculative.draft_model_config is None:
+            raise RuntimeError("this engine has no speculative draft model to load weights into")
+        tensors = load_file(path)
+        own = [module for name, module in draft.model.named_children() if name != "embed_tokens"]
+        for module in own:
+            initialize_layerwise_reload(module)
+        loaded = draft.load_weights(iter(tensors.items()))
+        for module in own:
+            finalize_layerwise_reload(module, speculative.draft_model_config)
+        return len(loaded)
 
     def _etude_repack_cpu_experts(self) -> None:
         """Packs the reloaded expert weights into the CPU MoE kernel's layout.

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from services.config.inference import EngineConfig
+from services.draft_layout import split_draft
 from services.dtypes import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class Engine:
         self.num_in_flight = 0
         self._forget: list[str] = []
         self._update_lock = asyncio.Lock()
+        self._stale_draft_said = False
 
     @property
     def loaded(self) -> bool:
@@ -289,33 +291,60 @@ class Engine:
         """Loads new weights into the running engine; returns how long generation paused.
 
         Running requests keep their place and their KV cache: tokens after the switch
-        come from the new weights, attending to context the old weights encoded.
+        come from the new weights, attending to context the old weights encoded. The
+        version's MTP draft (``services.draft_layout``, published when its job trains MTP
+        heads) goes into the engine's speculative draft in the same pause; an engine that
+        does not speculate leaves it out.
         """
-        from safetensors.torch import save_file
-
-        async with self._update_lock:
-            handle, path = tempfile.mkstemp(
-                prefix=f"etude-weights-v{version}-", suffix=".safetensors", dir=_shm_dir()
+        model, draft = split_draft(dict(tensors))
+        if draft and self.config.draft_dir is None:
+            draft = {}  # this engine does not speculate: the version's draft is not for it
+        elif self.config.draft_dir is not None and not draft and not self._stale_draft_said:
+            self._stale_draft_said = True
+            log.warning(
+                "version %d carries no MTP draft (its job trains no MTP heads): the engine "
+                "keeps speculating with the draft it has, which drifts from the policy",
+                version,
             )
-            os.close(handle)
+        async with self._update_lock:
+            paths = [_weights_file(f"v{version}")]
+            if draft:
+                paths.append(_weights_file(f"v{version}-draft"))
             try:
-                # Written while generation goes on; only the load below pauses it.
-                await asyncio.to_thread(
-                    save_file, {n: t.contiguous() for n, t in tensors.items()}, path
-                )
+                # Written while generation goes on; only the loads below pause it.
+                for path, part in zip(paths, (model, draft), strict=False):
+                    await asyncio.to_thread(_save, part, path)
                 paused_at = time.perf_counter()
                 await self._llm.pause_generation(mode="keep", clear_cache=False)
                 try:
-                    await self._llm.collective_rpc("etude_load_weights", args=(path,))
+                    await self._llm.collective_rpc("etude_load_weights", args=(paths[0],))
+                    if draft:
+                        await self._llm.collective_rpc("etude_load_draft_weights", args=(paths[1],))
                     await self._llm.update_weight_version(str(version))
                 finally:
                     await self._llm.resume_generation()
                 pause_s = time.perf_counter() - paused_at
             finally:
-                os.unlink(path)
+                for path in paths:
+                    os.unlink(path)
             self._labels[str(version)] = version
             self.serving_version = version
             return pause_s
+
+
+def _weights_file(label: str) -> str:
+    """A fresh file for weights handed to the engine's processes (in /dev/shm if it can)."""
+    handle, path = tempfile.mkstemp(
+        prefix=f"etude-weights-{label}-", suffix=".safetensors", dir=_shm_dir()
+    )
+    os.close(handle)
+    return path
+
+
+def _save(tensors: Mapping[str, torch.Tensor], path: str) -> None:
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in tensors.items()}, path)
 
 
 def _shm_dir() -> str | None:

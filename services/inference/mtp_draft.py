@@ -30,72 +30,25 @@ from typing import Any
 
 import torch
 
-ARCHITECTURE = "EagleEtudeMTP"
-DRAFT_WEIGHTS = "model.safetensors"
-# The trainer's head-1 names -> the draft's (vLLM's Qwen3 decoder-layer names).
-_LAYER = "model.layers.0."
-_NAMES = {
-    "hidden_norm.weight": "model.hidden_norm.weight",
-    "embed_norm.weight": "model.embed_norm.weight",
-    "proj.weight": "model.proj.weight",
-    "attn_norm.weight": _LAYER + "input_layernorm.weight",
-    "attn.q_proj.weight": _LAYER + "self_attn.q_proj.weight",
-    "attn.k_proj.weight": _LAYER + "self_attn.k_proj.weight",
-    "attn.v_proj.weight": _LAYER + "self_attn.v_proj.weight",
-    "attn.o_proj.weight": _LAYER + "self_attn.o_proj.weight",
-    "attn.q_norm.weight": _LAYER + "self_attn.q_norm.weight",
-    "attn.k_norm.weight": _LAYER + "self_attn.k_norm.weight",
-    "mlp_norm.weight": _LAYER + "post_attention_layernorm.weight",
-    "down.weight": _LAYER + "mlp.down_proj.weight",
-    "final_norm.weight": "model.final_norm.weight",
-}
+from services.draft_layout import (
+    ARCHITECTURE,
+    DRAFT_WEIGHTS,
+    draft_config,
+    draft_tensors,
+)
 
-
-def draft_tensors(mtp: dict[str, torch.Tensor], head: int = 0) -> dict[str, torch.Tensor]:
-    """Head `head` (0-based) of an ``mtp.safetensors`` state dict under the draft's names."""
-    prefix = f"mtp.{head}."
-    own = {name[len(prefix) :]: t for name, t in mtp.items() if name.startswith(prefix)}
-    if not own:
-        raise ValueError(f"no MTP head {head} (tensors {prefix}*) in the checkpoint")
-    out = {_NAMES[name]: t for name, t in own.items() if name in _NAMES}
-    gate, up = own["gate_up.weight"].chunk(2, dim=0)
-    out[_LAYER + "mlp.gate_proj.weight"] = gate
-    out[_LAYER + "mlp.up_proj.weight"] = up
-    missing = set(own) - set(_NAMES) - {"gate_up.weight"}
-    if missing:
-        raise ValueError(f"MTP head {head} has tensors the draft does not know: {sorted(missing)}")
-    return {name: t.contiguous() for name, t in out.items()}
-
-
-def draft_config(target: dict[str, Any]) -> dict[str, Any]:
-    """The draft's config.json from the target's: a one-layer dense Qwen3 shape whose MLP
-    is the head's (an expert's width)."""
-    keys = (
-        "vocab_size",
-        "hidden_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
-        "max_position_embeddings",
-        "hidden_act",
-        "rope_theta",
-        "rope_scaling",
-        "rope_parameters",
-        "tie_word_embeddings",
-        "torch_dtype",
-        "bos_token_id",
-        "eos_token_id",
-    )
-    config = {key: target[key] for key in keys if key in target}
-    config.update(
-        architectures=[ARCHITECTURE],
-        model_type="qwen3",
-        num_hidden_layers=1,
-        intermediate_size=target["moe_intermediate_size"],
-        attention_bias=False,
-    )
-    return config
+__all__ = [
+    "ACCEPTED",
+    "ARCHITECTURE",
+    "DRAFTED",
+    "DRAFTS",
+    "DRAFT_WEIGHTS",
+    "draft_config",
+    "draft_tensors",
+    "export_draft",
+    "register",
+    "speculation_counts",
+]
 
 
 def export_draft(

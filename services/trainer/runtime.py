@@ -163,10 +163,10 @@ class LocalRuntime(TrainerRuntime):
         return model
 
     def served_weights(self, model: Qwen3MoE) -> dict[str, torch.Tensor]:
-        """Every served weight."""
+        """Every served weight, the first MTP head's as the draft when the model has one."""
         from services.trainer.model import to_hf
 
-        return to_hf(model)
+        return to_hf(model, draft=True)
 
     def export(self, model: Qwen3MoE, out: Path, *, source_dir: Path, policy_version: int) -> None:
         """``save_pretrained``."""

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from services.draft_layout import is_draft_head
 from services.trainer.distributed.runtime import Runtime
 from services.trainer.model import Qwen3MoE, save_pretrained
 from services.trainer.model.hf_io import state_to_hf
@@ -29,7 +30,12 @@ _EXPERT_SUFFIXES = (".mlp.experts.gate_up", ".mlp.experts.down")
 def shard_tensors(model: Qwen3MoE, runtime: Runtime) -> dict[str, torch.Tensor]:
     """This rank's shard of the served weights, under HF names, in bf16 (collective)."""
     layout, rank = runtime.layout, runtime.rank
-    state = {name: t for name, t in model.state_dict().items() if not name.startswith("mtp.")}
+    # The first MTP head goes with the dense tensors: the served draft (state_to_hf).
+    state = {
+        name: t
+        for name, t in model.state_dict().items()
+        if not name.startswith("mtp.") or is_draft_head(name)
+    }
     experts = sorted(name for name in state if name.endswith(_EXPERT_SUFFIXES))
     dense = sorted(name for name in state if name not in experts)
     mine: dict[str, torch.Tensor] = {}
@@ -51,7 +57,7 @@ def shard_tensors(model: Qwen3MoE, runtime: Runtime) -> dict[str, torch.Tensor]:
         if owner == rank:
             mine[name] = whole.cpu()
     first_expert = layout.local_experts(rank, model.arch.num_experts).start
-    return state_to_hf(mine, model.arch, torch.bfloat16, first_expert=first_expert)
+    return state_to_hf(mine, model.arch, torch.bfloat16, first_expert=first_expert, draft=True)
 
 
 def _balanced_owners(sizes: np.ndarray, runtime: Runtime, own_bytes: int) -> list[int]:

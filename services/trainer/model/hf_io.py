@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
+from services.draft_layout import published_draft
 from services.trainer.model.architecture import Architecture
 from services.trainer.model.checkpoint_reader import CheckpointReader, Rows, checkpoint_files
 from services.trainer.model.layers import Numerics
@@ -72,9 +73,12 @@ def from_hf(tensors: dict[str, torch.Tensor], arch: Architecture) -> dict[str, t
     return {name: tensor.float() for name, tensor in state.items()}
 
 
-def to_hf(model: Qwen3MoE, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The model's weights under HF names, per-expert, cast to ``dtype`` (detached copies)."""
-    return state_to_hf(model.state_dict(), model.arch, dtype)
+def to_hf(
+    model: Qwen3MoE, dtype: torch.dtype = torch.bfloat16, *, draft: bool = False
+) -> dict[str, torch.Tensor]:
+    """The model's weights under HF names, per-expert, cast to ``dtype`` (detached copies);
+    with `draft`, its first MTP head as the served draft too (``state_to_hf``)."""
+    return state_to_hf(model.state_dict(), model.arch, dtype, draft=draft)
 
 
 def state_to_hf(
@@ -83,18 +87,24 @@ def state_to_hf(
     dtype: torch.dtype = torch.bfloat16,
     *,
     first_expert: int = 0,
+    draft: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Trainer state-dict tensors -> HF names, per-expert, in ``dtype`` (detached copies).
 
     ``state`` may hold any subset of the model's tensors, and its fused expert tensors may
     hold a slice of the experts (``[E', ...]``) whose first is global expert
     ``first_expert``: what one expert-parallel rank holds and publishes. MTP tensors are
-    left out (not part of the served model).
+    not part of the served model (they are saved beside it); with `draft`, the first
+    head's go in under the names of inference's speculative draft
+    (``services.draft_layout.published_draft``), as every published version carries them.
     """
     tensors: dict[str, torch.Tensor] = {}
     for name, param in state.items():
         if name.startswith("mtp."):
-            continue  # not part of the served model; saved beside it
+            if draft:
+                for part, tensor in published_draft(name, param.detach()).items():
+                    tensors[part] = tensor.to(dtype).clone()
+            continue
         if name.endswith(".mlp.experts.gate_up"):
             prefix = name.removesuffix(".gate_up")
             gate, up = param.detach().split(arch.moe_intermediate_size, dim=1)
