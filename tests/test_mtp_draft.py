@@ -6,6 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -90,9 +91,76 @@ def test_speculation_settings_are_checked(tmp_path: Path) -> None:
         EngineConfig(draft_dir=tmp_path, capture_routed_experts=False)
     with pytest.raises(ValueError, match="both draft_dir and speculative_tokens"):
         EngineConfig(speculative_tokens=2, capture_routed_experts=False)
-    with pytest.raises(ValueError, match="capture_routed_experts cannot be on"):
-        EngineConfig(draft_dir=tmp_path, speculative_tokens=2)
     EngineConfig(draft_dir=tmp_path, speculative_tokens=2, capture_routed_experts=False)
+    EngineConfig(draft_dir=tmp_path, speculative_tokens=2)  # capture too, on CPU
+
+
+def test_capture_under_speculation_keeps_the_routes_of_the_tokens_that_stayed(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """With a draft that is often right and often wrong (the copy head), routed-expert
+    capture returns one row per position run, each the route of the token that stayed:
+    the rows of draft tokens the policy rejected are written again when their position
+    runs with the sampled token, and those of the last verification are cut at the
+    request's end. Against the same engine without a draft: the same tokens, the same
+    number of rows, and the same routes but where a route is a near tie that the
+    verification's batch shape rounds differently (measured: none)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from services.inference.engine import Engine
+
+    copy_file = tmp_path / "copy.safetensors"
+    save_file(copy_head(tiny_model), str(copy_file))
+    draft = export_draft(tiny_model, tmp_path / "copy", mtp_file=copy_file)
+    prompts = [[7] * 24, list(range(40, 72)), [3, 9] * 12, [11, 12, 13] * 8]
+    greedy = SamplingParams(
+        temperature=0.0, max_tokens=48, logprobs=0, output_kind=RequestOutputKind.DELTA
+    )
+
+    async def serve(draft_dir: Path | None) -> tuple[list[list[int]], list[np.ndarray], float]:
+        engine = Engine(
+            EngineConfig(
+                model_dir=tiny_model,
+                max_num_seqs=1,
+                max_model_len=256,
+                cpu_kv_cache_gib=0.25,
+                draft_dir=draft_dir,
+                speculative_tokens=2 if draft_dir else 0,
+            )
+        )
+        await engine.start()
+        try:
+            before = speculation_counts()
+            outputs, routes = [], []
+            for index, prompt in enumerate(prompts):
+                chunks = [
+                    chunk
+                    async for chunk in engine.generate(
+                        prompt, greedy, return_routed_experts=True, routed_experts_from=index
+                    )
+                ]
+                outputs.append([t for c in chunks for t in c.token_ids])
+                table = chunks[-1].routed_experts
+                assert table is not None and chunks[-1].routed_experts_start == index
+                routes.append(table)
+            after = speculation_counts()
+            rejected = (after[DRAFTED] - before[DRAFTED]) - (after[ACCEPTED] - before[ACCEPTED])
+            return outputs, routes, rejected
+        finally:
+            await engine.stop()
+
+    plain_outputs, plain_routes, _ = asyncio.run(serve(None))
+    outputs, routes, rejected = asyncio.run(serve(draft))
+    assert outputs == plain_outputs
+    assert rejected > 0, "the draft was never wrong: nothing was tested"
+    for index, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        assert routes[index].shape == plain_routes[index].shape
+        assert routes[index].shape[0] == len(prompt) + len(output) - 1 - index
+    rows = np.concatenate(routes)
+    plain = np.concatenate(plain_routes)
+    same = (np.sort(rows, axis=-1) == np.sort(plain, axis=-1)).all(axis=(1, 2))
+    assert same.mean() >= 0.98, f"{same.mean():.3f} of rows equal"
 
 
 @pytest.mark.slow
@@ -241,3 +309,26 @@ def test_heads_fit_to_a_frozen_model(tiny_model: Path, tmp_path: Path) -> None:
     export_draft(tiny_model, tmp_path / "draft", mtp_file=out)
     with pytest.raises(ValueError, match="steps must be"):
         distill_heads(tiny_model, out, steps=0)
+
+
+def test_the_speculation_benchmark_measures_on_a_named_model(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ETUDE_BENCH_SPEC_MODEL_DIR`` swaps the factory model and its token-id prompts for
+    a named model and the harness's opening of held-out tasks; a wrong one is refused
+    with the variable named."""
+    from services.bench import BenchSettingError
+    from services.bench.inference import SPEC_MODEL_VARIABLE, SPEC_PROMPTS, spec_model
+    from services.model_factory.vocabulary import special_token_ids
+
+    monkeypatch.delenv(SPEC_MODEL_VARIABLE, raising=False)
+    assert spec_model(tmp_path) == (tmp_path, None)
+    monkeypatch.setenv(SPEC_MODEL_VARIABLE, str(tiny_model))
+    model_dir, prompts = spec_model(tmp_path)
+    special = special_token_ids()
+    assert model_dir == tiny_model and prompts is not None and len(prompts) == SPEC_PROMPTS
+    assert all(p[0] == special["<|system|>"] and p[-1] == special["<|assistant|>"] for p in prompts)
+    assert len({tuple(p) for p in prompts}) == SPEC_PROMPTS
+    monkeypatch.setenv(SPEC_MODEL_VARIABLE, str(tmp_path / "nothing"))
+    with pytest.raises(BenchSettingError, match=SPEC_MODEL_VARIABLE):
+        spec_model(tmp_path)

@@ -22,25 +22,32 @@ One engine (the tiny model, or small unless --quick), the same concurrent prompt
   (an MTP head fitted to the frozen model by self-distillation, ``SPEC_TOKENS`` drafted
   a step; two engines, capture off in both), ``spec_speedup_batch`` the same for the 16
   concurrent requests, ``spec_acceptance`` = draft tokens the model accepted / drafted,
-  ``spec_outputs_equal`` 1 when every greedy output is the same with and without.
+  ``spec_outputs_equal`` 1 when every greedy output is the same with and without. On the
+  factory model the prompts are token ids (its text is noise, so a draft is rarely
+  right); ``ETUDE_BENCH_SPEC_MODEL_DIR`` names a trained model (a ``make run``'s base
+  model or an exported version, with its tokenizer) to measure on instead, prompted with
+  16 held-out synthetic tasks as the harness opens a rollout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from services.bench import BenchResult
+from services.bench import BenchResult, BenchSettingError
 from services.config.inference import EngineConfig
 from services.inference.engine import Engine
 from services.inference.mtp_draft import ACCEPTED, DRAFTED, speculation_counts
 
 TARGET_CAPTURE_COST = 1.05
 SPEC_TOKENS = 2
+SPEC_PROMPTS = 16
+SPEC_MODEL_VARIABLE = "ETUDE_BENCH_SPEC_MODEL_DIR"
 TARGET_PAUSE_FRACTION = 0.01
 TARGET_PREFILL_RATIO = 1.10
 CADENCE_S = 60.0
@@ -241,16 +248,44 @@ async def _speculation(
     return measured
 
 
-def _spec_figures(model_dir: Path, work: Path, quick: bool) -> tuple[dict[str, float], Any]:
+def spec_model(factory_dir: Path) -> tuple[Path, list[list[int]] | None]:
+    """The model the speculation figures are measured on, and its prompts (None: the
+    default token-id prompts): ``ETUDE_BENCH_SPEC_MODEL_DIR``'s, or the factory model."""
+    chosen = os.environ.get(SPEC_MODEL_VARIABLE)
+    if not chosen:
+        return factory_dir, None
+    from transformers import AutoTokenizer
+
+    from services.config.envs import HarnessConfig
+    from services.envs.harness import Generation, Harness
+    from services.families import load_family
+    from services.trainer.model import Architecture
+
+    try:  # a model the trainer can load (to fit its head), with the tokenizer it speaks
+        Architecture.from_model_dir(Path(chosen))
+        tokenizer = AutoTokenizer.from_pretrained(chosen)
+    except (OSError, ValueError, KeyError) as error:
+        raise BenchSettingError(f"{SPEC_MODEL_VARIABLE}={chosen!r}: {error}") from error
+
+    async def prompts_only(*_: Any, **__: Any) -> Generation:
+        raise RuntimeError("the benchmark only builds prompts")
+
+    harness = Harness(prompts_only, tokenizer, HarnessConfig())
+    tasks = load_family("synthetic").tasks("heldout")[:SPEC_PROMPTS]
+    return Path(chosen), [harness.prompt(task.instruction, []) for task in tasks]
+
+
+def _spec_figures(factory_dir: Path, work: Path, quick: bool) -> tuple[dict[str, float], Any]:
     """The speculative-decoding figures (and details) with a freshly fitted MTP head."""
     from services.inference.mtp_draft import export_draft
     from services.trainer.mtp_distill import distill_heads
 
+    model_dir, prompts = spec_model(factory_dir)
     steps = 30 if quick else 100
     heads = work / "mtp.safetensors"
     losses = distill_heads(model_dir, heads, steps=steps)
     draft = export_draft(model_dir, work / "draft", mtp_file=heads)
-    measured = asyncio.run(_speculation(model_dir, draft, quick))
+    measured = asyncio.run(_speculation(model_dir, draft, quick, prompts))
     plain, spec = measured["plain"], measured["spec"]
     counts = spec["counts"]
     drafted = counts[DRAFTED]
@@ -261,7 +296,13 @@ def _spec_figures(model_dir: Path, work: Path, quick: bool) -> tuple[dict[str, f
         "spec_outputs_equal": float(spec["outputs"] == plain["outputs"]),
     }
     baseline = {"tps_greedy_single": plain["single"], "tps_greedy_batch": plain["batch"]}
-    details = {"spec_tokens": SPEC_TOKENS, "mtp_fit_steps": steps, "mtp_fit_loss": losses[-1]}
+    details = {
+        "spec_model": str(model_dir) if prompts else "factory",
+        "spec_prompts": "harness (synthetic held-out)" if prompts else "token ids",
+        "spec_tokens": SPEC_TOKENS,
+        "mtp_fit_steps": steps,
+        "mtp_fit_loss": losses[-1],
+    }
     return figures | {"tps_spec_single": spec["single"]}, (baseline, details)
 
 

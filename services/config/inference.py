@@ -68,8 +68,10 @@ class EngineConfig(StrictModel):
         None,
         description="A draft exported from the policy's MTP head (etude model draft; "
         "services/inference/mtp_draft.py): vLLM drafts speculative_tokens tokens a step with "
-        "it and the policy verifies them, so what is sampled does not change. Fixed at start: "
-        "in-flight updates change the policy, not the draft.",
+        "it and the policy verifies them, so what is sampled does not change. A version that "
+        "carries a draft (its job trains MTP heads) replaces it in flight. With "
+        "capture_routed_experts on CPU only (CUDA's native capture under speculation is not "
+        "yet verified).",
     )
     speculative_tokens: int = Field(
         0, ge=0, le=16, description="Tokens the draft proposes a step (with draft_dir)."
@@ -81,12 +83,6 @@ class EngineConfig(StrictModel):
             raise ValueError(
                 "speculative decoding needs both draft_dir and speculative_tokens >= 1; got "
                 f"draft_dir = {self.draft_dir}, speculative_tokens = {self.speculative_tokens}"
-            )
-        if self.draft_dir is not None and self.capture_routed_experts:
-            # Not yet shown to keep only the accepted tokens' routes (docs/inference.md).
-            raise ValueError(
-                "speculative decoding (draft_dir) and capture_routed_experts cannot be on "
-                "together yet: set capture_routed_experts = false to speculate"
             )
         return self
 

@@ -178,13 +178,17 @@ class RoutingCapture:
             table[:num_cached] = self._etude_slots[slots + positions % block_size]
 
     def etude_capture_take(
-        self, requests: dict[str, int], forget: list[str]
+        self, requests: dict[str, tuple[int, int]], forget: list[str]
     ) -> dict[str, tuple[bytes, tuple[int, ...]]]:
-        """Removes and returns the tables of ``requests`` (request id -> first position
-        wanted), from that position to the last row run, as (little-endian int16 bytes,
-        shape) -- plain values survive the engine's RPC serialization -- and drops those
-        of `forget` (finished requests nobody asked routing for). vLLM appends a suffix to
-        request ids (``<id>-<hex>``); both match.
+        """Removes and returns the tables of ``requests`` (request id -> the first and
+        one past the last position wanted), as (little-endian int16 bytes, shape) -- plain
+        values survive the engine's RPC serialization -- and drops those of `forget`
+        (finished requests nobody asked routing for). vLLM appends a suffix to request ids
+        (``<id>-<hex>``); both match.
+
+        Rows past the request's end are not its tokens': under speculative decoding, the
+        draft tokens the last verification rejected (a rejected draft token's row is
+        otherwise written again when its position runs with the token that stayed).
         """
         dropped = set(forget)
         taken: dict[str, tuple[bytes, tuple[int, ...]]] = {}
@@ -193,8 +197,9 @@ class RoutingCapture:
             key = internal if internal in requests or internal in dropped else base
             if key in requests:
                 table = self._etude_tables.pop(internal)
-                length = self._etude_lengths.pop(internal, 0)
-                rows = table[min(requests[key], length) : length]
+                start, end = requests[key]
+                stop = min(end, self._etude_lengths.pop(internal, 0))
+                rows = table[min(start, stop) : stop]
                 taken[key] = (rows.astype("<i2").tobytes(), rows.shape)
             elif key in dropped:
                 del self._etude_tables[internal]

@@ -150,6 +150,13 @@ class Engine:
         """Builds the engine off the event loop so health checks keep answering."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if self.on_cuda and self.config.capture_routed_experts and self.config.draft_dir:
+            # vLLM's native capture under speculation has not run yet (no GPU at hand);
+            # the CPU capture keeps only the routes of tokens that stayed (tested).
+            raise RuntimeError(
+                "inference.engine: speculative decoding (draft_dir) with capture_routed_experts "
+                "is not yet verified on CUDA: set capture_routed_experts = false to speculate"
+            )
         args = self._engine_args()
         log.info(
             "starting vLLM on %s (%s, max_model_len %d)",
@@ -258,8 +265,10 @@ class Engine:
                     num_cached_tokens=output.num_cached_tokens or 0,
                 )
                 if finished and return_routed_experts:
+                    # Every position but the last sampled token's has run.
+                    end = len(prompt_token_ids) + offset + len(token_ids) - 1
                     chunk.routed_experts = await self._routing(
-                        request_id, completion, routed_experts_from
+                        request_id, completion, routed_experts_from, end
                     )
                     chunk.routed_experts_start = routed_experts_from
                 yield chunk
@@ -271,16 +280,16 @@ class Engine:
             if self.capture_mode == "worker" and not (finished and return_routed_experts):
                 self._forget.append(request_id)
 
-    async def _routing(self, request_id: str, completion: Any, start: int) -> np.ndarray:
-        """The request's routes from position ``start`` on."""
+    async def _routing(self, request_id: str, completion: Any, start: int, end: int) -> np.ndarray:
+        """The request's routes of positions ``start`` to ``end`` (exclusive)."""
         if self.capture_mode == "native":
             # vLLM's table covers the whole sequence, cached prefix blocks included (it
             # keeps routes per block hash); only the rows the caller lacks go out.
-            routed: np.ndarray = np.asarray(completion.routed_experts)[start:]
+            routed: np.ndarray = np.asarray(completion.routed_experts)[start:end]
             return routed
         forget, self._forget = self._forget, []
         taken = await self._llm.collective_rpc(
-            "etude_capture_take", args=({request_id: start}, forget)
+            "etude_capture_take", args=({request_id: (start, end)}, forget)
         )
         if request_id not in taken[0]:
             raise RuntimeError(f"no routed experts were captured for request {request_id}")
