@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -25,6 +26,9 @@ from services.inference.mtp_draft import (
 from services.trainer.model.architecture import Architecture
 from services.trainer.model.mtp import MTPHead
 
+if TYPE_CHECKING:
+    from services.inference.engine import Engine
+
 
 def head_file(model_dir: Path, out: Path, seed: int = 0) -> Path:
     """One fresh MTP head for `model_dir`'s shape, saved as the trainer names it."""
@@ -33,6 +37,35 @@ def head_file(model_dir: Path, out: Path, seed: int = 0) -> Path:
     tensors = {f"mtp.0.{n}": p.detach().contiguous() for n, p in head.named_parameters()}
     save_file(tensors, str(out))
     return out
+
+
+def draft_engine(
+    model_dir: Path, draft_dir: Path | None, *, capture: bool = False, max_num_seqs: int = 1
+) -> Engine:
+    """An engine on `model_dir` that speculates 2 tokens a step with `draft_dir` (if any)."""
+    from services.inference.engine import Engine
+
+    return Engine(
+        EngineConfig(
+            model_dir=model_dir,
+            max_num_seqs=max_num_seqs,
+            max_model_len=256,
+            cpu_kv_cache_gib=0.25,
+            capture_routed_experts=capture,
+            draft_dir=draft_dir,
+            speculative_tokens=2 if draft_dir else 0,
+        )
+    )
+
+
+def greedy(max_tokens: int) -> Any:
+    """Greedy sampling with delta outputs (what Engine.generate takes)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=0, output_kind=RequestOutputKind.DELTA
+    )
 
 
 def test_a_head_exports_as_a_one_layer_draft(tiny_model: Path, tmp_path: Path) -> None:
@@ -105,30 +138,14 @@ def test_capture_under_speculation_keeps_the_routes_of_the_tokens_that_stayed(
     request's end. Against the same engine without a draft: the same tokens, the same
     number of rows, and the same routes but where a route is a near tie that the
     verification's batch shape rounds differently (measured: none)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    from services.inference.engine import Engine
-
     copy_file = tmp_path / "copy.safetensors"
     save_file(copy_head(tiny_model), str(copy_file))
     draft = export_draft(tiny_model, tmp_path / "copy", mtp_file=copy_file)
     prompts = [[7] * 24, list(range(40, 72)), [3, 9] * 12, [11, 12, 13] * 8]
-    greedy = SamplingParams(
-        temperature=0.0, max_tokens=48, logprobs=0, output_kind=RequestOutputKind.DELTA
-    )
+    sampling = greedy(48)
 
     async def serve(draft_dir: Path | None) -> tuple[list[list[int]], list[np.ndarray], float]:
-        engine = Engine(
-            EngineConfig(
-                model_dir=tiny_model,
-                max_num_seqs=1,
-                max_model_len=256,
-                cpu_kv_cache_gib=0.25,
-                draft_dir=draft_dir,
-                speculative_tokens=2 if draft_dir else 0,
-            )
-        )
+        engine = draft_engine(tiny_model, draft_dir, capture=True)
         await engine.start()
         try:
             before = speculation_counts()
@@ -137,7 +154,7 @@ def test_capture_under_speculation_keeps_the_routes_of_the_tokens_that_stayed(
                 chunks = [
                     chunk
                     async for chunk in engine.generate(
-                        prompt, greedy, return_routed_experts=True, routed_experts_from=index
+                        prompt, sampling, return_routed_experts=True, routed_experts_from=index
                     )
                 ]
                 outputs.append([t for c in chunks for t in c.token_ids])
@@ -167,37 +184,20 @@ def test_capture_under_speculation_keeps_the_routes_of_the_tokens_that_stayed(
 def test_the_draft_speculates_and_changes_nothing_sampled(tiny_model: Path, tmp_path: Path) -> None:
     """vLLM loads the draft through the package's plugin, drafts with it, and greedy
     outputs equal the engine's without a draft (the policy verifies every token)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    from services.inference.engine import Engine
-
     draft = export_draft(
         tiny_model, tmp_path / "draft", mtp_file=head_file(tiny_model, tmp_path / "mtp.safetensors")
     )
     prompts = [list(range(40 + i, 72 + i)) for i in range(3)]
-    greedy = SamplingParams(
-        temperature=0.0, max_tokens=24, logprobs=0, output_kind=RequestOutputKind.DELTA
-    )
+    sampling = greedy(24)
 
     async def serve(draft_dir: Path | None) -> tuple[list[list[int]], dict[str, float]]:
-        engine = Engine(
-            EngineConfig(
-                model_dir=tiny_model,
-                max_num_seqs=4,
-                max_model_len=256,
-                cpu_kv_cache_gib=0.25,
-                capture_routed_experts=False,
-                draft_dir=draft_dir,
-                speculative_tokens=2 if draft_dir else 0,
-            )
-        )
+        engine = draft_engine(tiny_model, draft_dir, max_num_seqs=4)
         await engine.start()
         try:
             before = speculation_counts()
             outputs = []
             for prompt in prompts:
-                chunks = [chunk async for chunk in engine.generate(prompt, greedy)]
+                chunks = [chunk async for chunk in engine.generate(prompt, sampling)]
                 outputs.append([t for c in chunks for t in c.token_ids])
             after = speculation_counts()
             return outputs, {k: after[k] - before.get(k, 0.0) for k in after}
@@ -237,10 +237,6 @@ def test_a_version_brings_its_draft_into_the_running_engine(
     engine's draft in flight: after the update the engine accepts exactly the tokens an
     engine started with that draft accepts, and not those its first draft did. An engine
     that does not speculate takes the same version and leaves the draft out."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    from services.inference.engine import Engine
     from services.trainer.model import load_pretrained, to_hf
 
     random_file = head_file(tiny_model, tmp_path / "random.safetensors")
@@ -258,22 +254,10 @@ def test_a_version_brings_its_draft_into_the_running_engine(
         draft_tensors(load_file(str(copy_file)))
     )
     prompts = [[7] * 24, list(range(40, 72)), [3, 9] * 12, [11, 12, 13] * 8, [5] * 8]
-    greedy = SamplingParams(
-        temperature=0.0, max_tokens=64, logprobs=0, output_kind=RequestOutputKind.DELTA
-    )
+    sampling = greedy(64)
 
     async def accepted(draft_dir: Path | None, update: bool) -> tuple[float, list[list[int]]]:
-        engine = Engine(
-            EngineConfig(
-                model_dir=tiny_model,
-                max_num_seqs=1,
-                max_model_len=256,
-                cpu_kv_cache_gib=0.25,
-                capture_routed_experts=False,
-                draft_dir=draft_dir,
-                speculative_tokens=2 if draft_dir else 0,
-            )
-        )
+        engine = draft_engine(tiny_model, draft_dir)
         await engine.start()
         try:
             if update:
@@ -281,7 +265,7 @@ def test_a_version_brings_its_draft_into_the_running_engine(
             before = speculation_counts()
             outputs = []
             for prompt in prompts:
-                chunks = [chunk async for chunk in engine.generate(prompt, greedy)]
+                chunks = [chunk async for chunk in engine.generate(prompt, sampling)]
                 outputs.append([t for c in chunks for t in c.token_ids])
             return speculation_counts()[ACCEPTED] - before[ACCEPTED], outputs
         finally:
