@@ -22,6 +22,7 @@ from services.evals.intervals import (
 from services.evals.record import EvalRecord, Interval
 from services.evals.report import render
 from services.evals.scoring import score
+from services.launcher.summary import RunSummary, SuiteScores
 from tests.test_evals_scoring import group, rollout
 
 
@@ -165,6 +166,17 @@ def test_the_report_shows_intervals_gains_and_retries() -> None:
     assert files["pass_at_1.png"].startswith(b"\x89PNG")
 
 
+def summary_of(scores: SuiteScores) -> RunSummary:
+    """A run summary of nothing but `scores` (one suite's)."""
+    return RunSummary(
+        run="r", steps=0, groups_trained=0, rollouts_trained=0, groups_trained_twice=0,
+        versions_published=[], versions_served=0, rollouts_spanning_versions=0, staleness={},
+        reward_curve=[], suites=[scores], weight_sync_bytes_ratio=None,
+        weight_versions_delta=0, update_pauses=0, mean_update_pause_s=None,
+        trainer_wait_fraction=None, seconds_per_step=None,
+    )  # fmt: skip
+
+
 def test_the_run_summary_states_each_pass_at_1_and_the_gain_with_intervals() -> None:
     """`etude run`'s table and summary.json: both ends' intervals, the gain's (paired),
     each end's tasks x samples, and the generations retried and left out."""
@@ -172,7 +184,7 @@ def test_the_run_summary_states_each_pass_at_1_and_the_gain_with_intervals() -> 
 
     from rich.console import Console
 
-    from services.launcher.summary import RunSummary, print_summary, suite_scores
+    from services.launcher.summary import print_summary, suite_scores
 
     base = record_of(0, {f"t{i}": [i % 3 == 0, False, False, i % 2 == 0] for i in range(12)})
     later = record_of(
@@ -187,13 +199,7 @@ def test_the_run_summary_states_each_pass_at_1_and_the_gain_with_intervals() -> 
     assert (scores.num_retried, scores.num_left_out) == (4, 2)
     assert suite_scores({"s": {0: base}})[0].gain_interval is None  # one version: no gain
 
-    summary = RunSummary(
-        run="r", steps=0, groups_trained=0, rollouts_trained=0, groups_trained_twice=0,
-        versions_published=[], versions_served=0, rollouts_spanning_versions=0, staleness={},
-        reward_curve=[], suites=[scores], weight_sync_bytes_ratio=None,
-        weight_versions_delta=0, update_pauses=0, mean_update_pause_s=None,
-        trainer_wait_fraction=None, seconds_per_step=None,
-    )  # fmt: skip
+    summary = summary_of(scores)
     out = io.StringIO()
     print_summary(Console(file=out, width=300), summary, None)
     text = out.getvalue()
@@ -207,7 +213,7 @@ def test_a_kept_version_0_is_named_in_the_report_and_the_summary() -> None:
 
     from rich.console import Console
 
-    from services.launcher.summary import RunSummary, print_summary, suite_scores
+    from services.launcher.summary import print_summary, suite_scores
 
     base = record_of(0, {f"t{i}": [i % 3 == 0, False] for i in range(6)})
     kept = base.model_copy(update={"run": "r", "reused_from": "seed-0"})
@@ -216,13 +222,7 @@ def test_a_kept_version_0_is_named_in_the_report_and_the_summary() -> None:
     assert "<td>v0 (in run seed-0)</td>" in page and "<td>v5</td>" in page
     (scores,) = suite_scores({"s": {0: kept, 5: later}})
     assert scores.first_reused_from == "seed-0"
-    summary = RunSummary(
-        run="r", steps=0, groups_trained=0, rollouts_trained=0, groups_trained_twice=0,
-        versions_published=[], versions_served=0, rollouts_spanning_versions=0, staleness={},
-        reward_curve=[], suites=[scores], weight_sync_bytes_ratio=None,
-        weight_versions_delta=0, update_pauses=0, mean_update_pause_s=None,
-        trainer_wait_fraction=None, seconds_per_step=None,
-    )  # fmt: skip
+    summary = summary_of(scores)
     out = io.StringIO()
     print_summary(Console(file=out, width=300), summary, None)
     assert "v0 6 tasks x 2, scored in run seed-0, v5 6 tasks x 2" in out.getvalue()

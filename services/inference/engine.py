@@ -316,25 +316,25 @@ class Engine:
                 version,
             )
         async with self._update_lock:
-            paths = [_weights_file(f"v{version}")]
+            # Each part's loader in the engine's processes, and the file it reads.
+            loads = {"etude_load_weights": (_weights_file(f"v{version}"), model)}
             if draft:
-                paths.append(_weights_file(f"v{version}-draft"))
+                loads["etude_load_draft_weights"] = (_weights_file(f"v{version}-draft"), draft)
             try:
                 # Written while generation goes on; only the loads below pause it.
-                for path, part in zip(paths, (model, draft), strict=False):
+                for path, part in loads.values():
                     await asyncio.to_thread(_save, part, path)
                 paused_at = time.perf_counter()
                 await self._llm.pause_generation(mode="keep", clear_cache=False)
                 try:
-                    await self._llm.collective_rpc("etude_load_weights", args=(paths[0],))
-                    if draft:
-                        await self._llm.collective_rpc("etude_load_draft_weights", args=(paths[1],))
+                    for method, (path, _) in loads.items():
+                        await self._llm.collective_rpc(method, args=(path,))
                     await self._llm.update_weight_version(str(version))
                 finally:
                     await self._llm.resume_generation()
                 pause_s = time.perf_counter() - paused_at
             finally:
-                for path in paths:
+                for path, _ in loads.values():
                     os.unlink(path)
             self._labels[str(version)] = version
             self.serving_version = version
