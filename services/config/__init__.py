@@ -27,6 +27,9 @@ ServiceName = Literal["reconciler", "envs", "inference", "trainer", "evals"]
 SERVICE_NAMES: tuple[ServiceName, ...] = ("reconciler", "envs", "inference", "trainer", "evals")
 
 MIB = 1024 * 1024
+# An identifier on the wire (a task id, a Task.family, ...): letters, digits and ._:/-,
+# starting with a letter or digit, at most 256 characters (services.wire.errors checks it).
+IDENTIFIER = r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}"
 
 DEFAULT_MODEL_DIR = Path(".etude/models/small")
 """The model's directory when ``model.dir`` is unset: where ``etude run`` builds it."""

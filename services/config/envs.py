@@ -10,6 +10,7 @@ from pydantic import Field, create_model, model_validator
 from pydantic.fields import FieldInfo
 
 from services.config import (
+    IDENTIFIER,
     MIB,
     GrpcServerConfig,
     HttpServerConfig,
@@ -155,8 +156,8 @@ class HarnessConfig(HarnessBudgets):
     @model_validator(mode="after")
     def _family_names(self) -> HarnessConfig:
         for family in self.families:
-            # A Task.family is an id (services.wire.errors.require_identifier's rule).
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}", family):
+            # A Task.family is an identifier on the wire.
+            if not re.fullmatch(IDENTIFIER, family):
                 raise ValueError(
                     f"harness.families: {family!r} is not a family name (1-256 letters, "
                     "digits and '._:/-', starting with a letter or digit)"

@@ -14,6 +14,8 @@ from typing import TypeVar
 
 import grpc
 
+from services.config import IDENTIFIER
+
 
 class ServiceError(Exception):
     """Base of the errors that reach the caller as a gRPC status."""
@@ -59,7 +61,7 @@ class Unimplemented(ServiceError):
 T = TypeVar("T")
 
 # \A and \Z: '$' would also match before a trailing newline.
-_IDENTIFIER = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}\Z")
+_IDENTIFIER = re.compile(rf"\A{IDENTIFIER}\Z")
 
 
 def require(condition: bool, field: str, problem: str) -> None:

@@ -31,7 +31,7 @@ from typing import Literal
 from pydantic import Field, ValidationError
 
 from services.api.v1 import common_pb2
-from services.config import MIB, StrictModel
+from services.config import IDENTIFIER, MIB, StrictModel
 from services.families import TaskFamily, files_from_json
 
 MAX_WORKSPACE_BYTES = 16 * MIB
@@ -46,7 +46,7 @@ class RepoTaskSpec(StrictModel):
     """One repository task of a repo task file."""
 
     id: str = Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}$",
+        pattern=rf"^{IDENTIFIER}$",
         description="Task id: letters, digits and ._:/-, at most 256 characters.",
     )
     path: Path = Field(description="Directory or git checkout (relative to the task file).")
