@@ -254,10 +254,17 @@ def test_a_fork_bomb_hits_the_process_limit_and_leaves_nothing(
     _assert_still_serves(sandbox, workspace)
 
 
+# A uid no other test's sandbox runs as (their default is 65534).
+OWN_UID = 64_999
+
+
 @BACKENDS
 def test_many_runs_in_a_row_leave_no_process_behind(root: Path, backend: Backend) -> None:
-    """Under a small process limit, a leftover (even a zombie) per run would soon fail."""
-    sandbox = make_sandbox(SandboxConfig(max_processes=6, backend=backend))
+    """Under a small process limit, a leftover (even a zombie) per run would soon fail.
+    RLIMIT_NPROC counts every process of the uid on the host, and the other test worker's
+    sandboxes run as the default uid (in CI one of its runs left `true` unable to start:
+    EAGAIN), so this one runs as a uid of its own."""
+    sandbox = make_sandbox(SandboxConfig(max_processes=6, backend=backend, uid=OWN_UID))
     workspace = _workspace(root, sandbox)
     for _ in range(30):
         assert sandbox.run(workspace, ["true"]).exit_code == 0
