@@ -22,6 +22,7 @@ import chart_dashboards  # noqa: E402
 import chart_schema  # noqa: E402
 
 from services.config import SERVICE_NAMES  # noqa: E402
+from services.evals.suites import load_suites  # noqa: E402
 from services.reconciler.store import GROUP_STATES, SLOT_STATES  # noqa: E402
 
 chart_check.require_tools()  # a missing tool fails the module loudly, never skips
@@ -156,7 +157,8 @@ def test_each_example_is_a_complete_job_on_one_model(case: str, tmp_path: Path) 
     if enabled["reconciler"]:
         assert config.reconciler.feeder is not None
     if enabled["evals"]:
-        assert config.evals.suites and all(s.enabled for s in config.evals.suites.values())
+        suites = load_suites(config.evals.suites)
+        assert config.evals.suites and all(suites[name].enabled for name in config.evals.suites)
     model_dir = config.model.dir
     assert model_dir is not None and config.inference.engine.model_dir == model_dir
     mounts = model_mounts(manifests)

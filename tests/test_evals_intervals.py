@@ -227,3 +227,35 @@ def test_a_kept_version_0_is_named_in_the_report_and_the_summary() -> None:
     print_summary(Console(file=out, width=300), summary, None)
     assert "v0 6 tasks x 2, scored in run seed-0, v5 6 tasks x 2" in out.getvalue()
     assert '"first_reused_from": "seed-0"' in summary.to_json()
+
+
+def test_the_summary_shows_task_reward_and_summaries_where_rollouts_summarized() -> None:
+    """Where pass@1 is near 0 (multifile-heldout), the summary says how far the policy got
+    (mean task reward) and how often it summarized, at both ends."""
+    import io
+
+    from rich.console import Console
+
+    from services.launcher.summary import print_summary, suite_scores
+
+    base = record_of(0, {f"t{i}": [i == 0, False] for i in range(6)})
+    later = record_of(5, {f"t{i}": [i < 3, False] for i in range(6)})
+    unsummarized = {
+        v: r.model_copy(update={"mean_summaries": 0.0}) for v, r in ((0, base), (5, later))
+    }
+    (plain,) = suite_scores({"s": unsummarized})
+    assert (plain.first_task_reward, plain.last_task_reward) == pytest.approx((1 / 12, 3 / 12))
+    out = io.StringIO()
+    print_summary(Console(file=out, width=300), summary_of(plain), None)
+    assert "s task reward" not in out.getvalue()  # no rollout summarized: pass@1 says it
+
+    summarized = {
+        0: base.model_copy(update={"mean_summaries": 0.5}),
+        5: later.model_copy(update={"mean_summaries": 1.25}),
+    }
+    (scores,) = suite_scores({"s": summarized})
+    assert (scores.first_summaries, scores.last_summaries) == (0.5, 1.25)
+    out = io.StringIO()
+    print_summary(Console(file=out, width=300), summary_of(scores), None)
+    assert "v0 0.083 -> v5 0.250 (summaries a rollout 0.50 -> 1.25)" in out.getvalue()
+    assert '"last_task_reward": 0.25' in summary_of(scores).to_json()

@@ -10,6 +10,7 @@ from services.api.v1 import common_pb2, reconciler_pb2
 from services.config.evals import EvalsConfig, SuiteConfig
 from services.evals.scoring import TESTS_FAILED, pass_at_k, score
 from services.evals.suites import load_suites
+from services.families.multifile import MultiFileFamily
 
 
 def closed_form(n: int, c: int, k: int) -> float:
@@ -133,7 +134,7 @@ def test_score_of_known_groups() -> None:
 
 def test_suites_are_fixed_lists() -> None:
     suites = load_suites({})
-    assert set(suites) == {"synthetic-heldout", "synthetic-novel", "humaneval"}
+    assert set(suites) == {"synthetic-heldout", "synthetic-novel", "humaneval", "multifile-heldout"}
     humaneval = suites["humaneval"]
     assert len(humaneval.tasks) == 164 and humaneval.tasks[0].task_id == "HumanEval/0"
     assert {t.split for s in suites.values() for t in s.tasks} == {"heldout", "novel"}
@@ -149,6 +150,23 @@ def test_suites_are_fixed_lists() -> None:
     assert [t.task_id for t in first.tasks] == [
         t.task_id for t in suites["synthetic-heldout"].tasks[:5]
     ]
+
+
+def test_multifile_heldout_is_the_familys_heldout_split_and_watched_only_when_asked() -> None:
+    suites = load_suites({})
+    multifile = suites["multifile-heldout"]
+    assert not multifile.enabled and multifile.num_samples == 2
+    assert all(suites[name].enabled for name in suites if name != "multifile-heldout")
+    family = MultiFileFamily(seed=0, num_train=0, num_heldout=100)
+    assert [t.SerializeToString() for t in multifile.tasks] == [
+        t.SerializeToString() for t in family.tasks("heldout")
+    ]
+    assert {(t.family, t.split) for t in multifile.tasks} == {("multifile", "heldout")}
+    asked = load_suites({"multifile-heldout": SuiteConfig(enabled=True, num_tasks=4)})
+    assert asked["multifile-heldout"].enabled and len(asked["multifile-heldout"].tasks) == 4
+    # An entry that only sets sizes keeps a suite's own default.
+    assert load_suites({"humaneval": SuiteConfig(num_tasks=3)})["humaneval"].enabled
+    assert not load_suites({"humaneval": SuiteConfig(enabled=False)})["humaneval"].enabled
 
 
 def test_unknown_or_oversized_suites_are_refused() -> None:

@@ -362,7 +362,8 @@ def test_unknown_suite_and_unpublished_version_are_not_found(pipeline: Pipeline)
             )
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
         assert unknown.value.details() == (
-            "unknown suite 'behaviour'; known suites: humaneval, synthetic-heldout, synthetic-novel"
+            "unknown suite 'behaviour'; known suites: humaneval, multifile-heldout, "
+            "synthetic-heldout, synthetic-novel"
         )
         with pytest.raises(grpc.RpcError) as unpublished:
             stub.RunEval(

@@ -17,8 +17,11 @@ from services.config.envs import EnvsConfig
 class SuiteConfig(StrictModel):
     """Overrides of one suite's defaults (``[evals.suites.<name>]``); unset keeps the suite's."""
 
-    enabled: bool = Field(
-        True, description="The watcher scores every published version on it (RunEval always can)."
+    enabled: bool | None = Field(
+        None,
+        description="The watcher scores every published version on it (RunEval always can); "
+        "unset: the suite's own default (on for all but multifile-heldout, whose rollouts are "
+        "long).",
     )
     num_tasks: int | None = Field(
         None, ge=1, description="Score the first N tasks of the suite's fixed list; unset: all."
@@ -65,7 +68,7 @@ class EvalsConfig(ServiceConfig):
         default_factory=dict,
         description=(
             "Per-suite overrides by suite name; every suite under services/evals/suites is "
-            "known, and enabled unless its entry says otherwise."
+            "known, and watched as its entry or else its own default says."
         ),
     )
     watch: bool = Field(True, description="Score published versions as they appear.")

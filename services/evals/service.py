@@ -190,7 +190,7 @@ class EvalsService(Service):
 
     def _enabled(self) -> list[str]:
         """The suites the watcher scores."""
-        return [name for name, s in self.suites.items() if s.settings.enabled]
+        return [name for name, s in self.suites.items() if s.enabled]
 
     async def _newest_fully_scored(self) -> int:
         """The newest version every enabled suite has a stored result for (-1: none)."""
@@ -325,7 +325,7 @@ class EvalsService(Service):
         fields = {
             "suites": ", ".join(
                 f"{s.name} ({len(s.tasks)} tasks, K={s.num_samples}"
-                f"{'' if s.settings.enabled else ', not watched'})"
+                f"{'' if s.enabled else ', not watched'})"
                 for s in self.suites.values()
             ),
             "evals running": str(len(self.evaluator.running)),

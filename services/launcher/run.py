@@ -136,11 +136,9 @@ def log_tail(path: Path, lines: int = 20, line_chars: int = 400) -> str:
 
 def enabled_suites(config: EtudeConfig) -> list[str]:
     """The eval suites the evals service scores every version on."""
-    from services.config.evals import SuiteConfig
-    from services.evals.suites import suite_classes
+    from services.evals.suites import load_suites
 
-    settings = config.evals.suites
-    return sorted(n for n in suite_classes() if settings.get(n, SuiteConfig()).enabled)
+    return sorted(n for n, suite in load_suites(config.evals.suites).items() if suite.enabled)
 
 
 class LocalRun:

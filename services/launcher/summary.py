@@ -58,6 +58,12 @@ class SuiteScores:
     # The run whose score of version 0 (same base model, tasks and settings) this run took
     # instead of sampling it again; None when this run sampled it.
     first_reused_from: str | None = None
+    # Mean task reward (the fraction of a task's tests passed) and summaries per rollout
+    # at each end: how far a policy gets where pass@1 is near 0 (multifile-heldout).
+    first_task_reward: float = 0.0
+    last_task_reward: float = 0.0
+    first_summaries: float = 0.0
+    last_summaries: float = 0.0
 
     @property
     def gain_points(self) -> float:
@@ -171,6 +177,10 @@ def suite_scores(evals: Mapping[str, Mapping[int, EvalRecord]]) -> list[SuiteSco
                 num_retried=sum(r.num_retried for r in versions.values()),
                 num_left_out=sum(r.num_left_out for r in versions.values()),
                 first_reused_from=first.reused_from,
+                first_task_reward=first.mean_reward.task,
+                last_task_reward=last.mean_reward.task,
+                first_summaries=first.mean_summaries,
+                last_summaries=last.mean_summaries,
             )
         )
     return scores
@@ -449,6 +459,14 @@ def print_summary(console: Console, summary: RunSummary, report: Path | None) ->
             + (f", scored in run {scores.first_reused_from}" if scores.first_reused_from else "")
             + f", v{scores.last_version} {scores.num_tasks} tasks x {scores.num_samples})",
         )
+    for scores in summary.suites:
+        if scores.first_summaries or scores.last_summaries:
+            table.add_row(
+                f"{scores.suite} task reward",
+                f"v{scores.first_version} {scores.first_task_reward:.3f} -> "
+                f"v{scores.last_version} {scores.last_task_reward:.3f} (summaries a rollout "
+                f"{scores.first_summaries:.2f} -> {scores.last_summaries:.2f})",
+            )
     if summary.suites:
         table.add_row(
             "eval generations retried / left out",

@@ -29,10 +29,18 @@ class Suite(abc.ABC):
     family: ClassVar[str]
     description: ClassVar[str]
     default_num_samples: ClassVar[int] = 4
+    # Whether the watcher scores published versions on it when the config does not say.
+    watched_by_default: ClassVar[bool] = True
 
     def __init__(self, settings: SuiteConfig) -> None:
         self.settings = settings
         self.num_samples = settings.num_samples or self.default_num_samples
+
+    @property
+    def enabled(self) -> bool:
+        """The watcher scores every published version on it."""
+        enabled = self.settings.enabled
+        return self.watched_by_default if enabled is None else enabled
 
     @abc.abstractmethod
     def all_tasks(self) -> list[common_pb2.Task]:
