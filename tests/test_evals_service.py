@@ -260,6 +260,7 @@ def test_every_published_version_is_scored(pipeline: Pipeline) -> None:
         (SYNTHETIC, "synthetic", 4, 4),
         (HUMANEVAL, "humaneval", 3, 2),
         (NOVEL, "synthetic", 100, 4),
+        ("multifile-heldout", "multifile", 100, 2),  # listed, not watched by default
     }
     for version in (1, 2):
         pipeline.publish(version)
