@@ -79,6 +79,13 @@ class FamilySuite(Suite):
 
     # The family's split; None: the one it names for evals (``eval_split``, "heldout").
     split: ClassVar[str | None] = None
+    # Tasks a generated family makes for the suite when ``num_tasks`` is unset.
+    default_num_tasks: ClassVar[int] = 100
+
+    @property
+    def split_size(self) -> int:
+        """Tasks to generate: ``num_tasks``, else the suite's default."""
+        return self.settings.num_tasks or self.default_num_tasks
 
     def family_options(self) -> dict[str, Any]:
         """Options the family is loaded with (e.g. a seed)."""

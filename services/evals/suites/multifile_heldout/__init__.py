@@ -17,8 +17,6 @@ from typing import Any
 
 from services.evals.suites import FamilySuite
 
-DEFAULT_NUM_TASKS = 100
-
 
 class MultifileHeldoutSuite(FamilySuite):
     """Several-file tasks the policy never trained on."""
@@ -30,7 +28,7 @@ class MultifileHeldoutSuite(FamilySuite):
     watched_by_default = False
 
     def family_options(self) -> dict[str, Any]:
-        size = self.settings.num_tasks or DEFAULT_NUM_TASKS
+        size = self.split_size
         return {"seed": self.settings.seed, "num_train": 0, "num_heldout": size}
 
 

@@ -13,8 +13,6 @@ from typing import Any
 
 from services.evals.suites import FamilySuite
 
-DEFAULT_NUM_TASKS = 100
-
 
 class SyntheticHeldoutSuite(FamilySuite):
     """Generated small functions the policy never trained on."""
@@ -24,7 +22,7 @@ class SyntheticHeldoutSuite(FamilySuite):
     description = "the synthetic family's held-out split (four difficulty levels)"
 
     def family_options(self) -> dict[str, Any]:
-        size = self.settings.num_tasks or DEFAULT_NUM_TASKS
+        size = self.split_size
         return {"seed": self.settings.seed, "num_train": 0, "num_heldout": size, "num_novel": 0}
 
 

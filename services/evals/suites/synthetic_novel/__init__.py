@@ -14,8 +14,6 @@ from typing import Any
 
 from services.evals.suites import FamilySuite
 
-DEFAULT_NUM_TASKS = 100
-
 
 class SyntheticNovelSuite(FamilySuite):
     """Generated small functions whose behaviours training never shows."""
@@ -26,7 +24,7 @@ class SyntheticNovelSuite(FamilySuite):
     split = "novel"
 
     def family_options(self) -> dict[str, Any]:
-        size = self.settings.num_tasks or DEFAULT_NUM_TASKS
+        size = self.split_size
         return {"seed": self.settings.seed, "num_train": 0, "num_heldout": 0, "num_novel": size}
 
 
